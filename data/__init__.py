@@ -1,0 +1,1 @@
+"""Text sources -> BPE tokenizer -> headered token shards -> deterministic training windows."""

@@ -1,0 +1,93 @@
+"""Deterministic training windows and a fixed validation set.
+
+Micro-batch i of rank r is drawn from a generator seeded by (seed, i, r) and nothing else, so a run resumed at step s
+sees exactly the batches an uninterrupted run sees after step s, whatever the number of dataloader workers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from data.shards import read_shard
+from model.permutation import seeded_generator
+
+
+class RandomWindows(Dataset):
+    """Item i = one micro-batch [batch_size, seq_len + 1] of random windows from the train shards."""
+
+    def __init__(self, shard_paths: list[Path], seq_len: int, batch_size: int, seed: int, rank: int, length: int):
+        self.paths, self.seq_len, self.batch_size = [str(p) for p in shard_paths], seq_len, batch_size
+        self.seed, self.rank, self.length = seed, rank, length
+        sizes = np.array([read_shard(p).size for p in self.paths])
+        self.windows = np.maximum(sizes - seq_len, 0)  # valid start offsets per shard
+        if self.windows.sum() == 0:
+            raise ValueError(f"training shards hold fewer than seq_len + 1 = {seq_len + 1} tokens")
+        self.cum = np.cumsum(self.windows)
+        self._shards = None
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self._shards is None:  # opened lazily, once per worker process
+            self._shards = [read_shard(p) for p in self.paths]
+        gen = seeded_generator(self.seed, i, self.rank)
+        starts = torch.randint(0, int(self.cum[-1]), (self.batch_size,), generator=gen).numpy()
+        rows = []
+        for s in starts:
+            shard = int(np.searchsorted(self.cum, s, side="right"))
+            offset = int(s - (self.cum[shard - 1] if shard else 0))
+            rows.append(np.asarray(self._shards[shard][offset : offset + self.seq_len + 1], dtype=np.int64))
+        return torch.from_numpy(np.stack(rows))
+
+
+class FixedWindows(Dataset):
+    """Consecutive, non-overlapping windows from the start of the validation shard: the same set in every run."""
+
+    def __init__(self, shard_path: Path, seq_len: int, max_windows: int):
+        tokens = read_shard(shard_path)
+        count = min(max_windows, (tokens.size - 1) // seq_len)
+        if count < 1:
+            raise ValueError(f"validation shard {shard_path} holds fewer than seq_len + 1 = {seq_len + 1} tokens")
+        self.windows = torch.from_numpy(
+            np.stack([np.asarray(tokens[i * seq_len : i * seq_len + seq_len + 1], dtype=np.int64) for i in range(count)])
+        )
+
+    def __len__(self):
+        return len(self.windows)
+
+    def __getitem__(self, i):
+        return self.windows[i]
+
+
+class TokenDataModule(L.LightningDataModule):
+    def __init__(self, train_shards, val_shard, seq_len: int, batch_size: int, seed: int = 0, val_windows: int = 64,
+                 val_batch_size: int | None = None, num_workers: int = 0, total_micro_batches: int = 10**9):
+        super().__init__()
+        self.train_shards, self.val_shard = list(train_shards), val_shard
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.val_windows, self.val_batch_size = val_windows, val_batch_size or batch_size
+        self.num_workers, self.total = num_workers, total_micro_batches
+
+    def _start(self) -> int:
+        """Micro-batches already consumed: a resumed run continues where it stopped."""
+        trainer = self.trainer
+        if trainer is None:
+            return 0
+        return trainer.global_step * trainer.accumulate_grad_batches
+
+    def train_dataloader(self):
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        dataset = RandomWindows(self.train_shards, self.seq_len, self.batch_size, self.seed, rank, self.total)
+        start = self._start()
+        return DataLoader(dataset, batch_size=None, sampler=range(start, self.total), num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)
+
+    def val_dataloader(self):
+        dataset = FixedWindows(self.val_shard, self.seq_len, self.val_windows)
+        return DataLoader(dataset, batch_size=self.val_batch_size, shuffle=False, num_workers=0)

@@ -1,0 +1,191 @@
+"""source -> tokenizer -> token shards, cached by the hash of every input that shapes the result.
+
+The result lives in `<cache_dir>/<kind>-<hash>/`: train_000.bin ..., val.bin, tokenizer.json, meta.json. meta.json is
+written last, so a folder without it is an interrupted preparation and is redone; a second run with the same inputs
+reuses the folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data import shards, sources
+from data.tokenizer import eos_id, load_tokenizer, tokenizer_hash, train_bpe
+from model.config import ConfigError
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class PreparedData:
+    root: Path
+    train_shards: list[Path]
+    val_shard: Path
+    tokenizer_path: Path
+    meta: dict
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta["tokenizer"]["vocab_size"]
+
+
+def _plain(obj):
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(obj):
+            return OmegaConf.to_container(obj, resolve=True)
+    except ImportError:
+        pass
+    return obj
+
+
+def cache_key(cfg: dict) -> str:
+    source = dict(cfg["source"])
+    if source["kind"] == "files":  # the files' identity: path, size and mtime
+        source["files"] = [(f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns)
+                           for f in sources.resolve_files(source["paths"])]
+    tok = dict(cfg["tokenizer"])
+    if tok.get("path"):
+        tok["sha256"] = hashlib.sha256(Path(tok["path"]).read_bytes()).hexdigest()
+    spec = {"source": source, "tokenizer": tok, "val_fraction": cfg["val_fraction"],
+            "max_tokens": cfg.get("max_tokens"), "version": FORMAT_VERSION}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def validate_data_config(cfg: dict) -> None:
+    kind = cfg["source"]["kind"]
+    if kind not in sources.SOURCE_KINDS:
+        raise ConfigError("data.source.kind", kind, f"choose one of {sources.SOURCE_KINDS}")
+    if kind == "files":
+        sources.resolve_files(cfg["source"].get("paths"))
+    if kind == "hf" and not cfg["source"].get("name"):
+        raise ConfigError("data.source.name", None, "data.source.kind=hf needs a dataset name")
+    if not 0 < cfg["val_fraction"] < 1:
+        raise ConfigError("data.val_fraction", cfg["val_fraction"], "must lie strictly between 0 and 1")
+    tok_path = cfg["tokenizer"].get("path")
+    if tok_path and not Path(tok_path).is_file():
+        raise ConfigError("data.tokenizer.path", tok_path, "no such tokenizer.json; set it to null to train one")
+
+
+def _is_val(doc_index: int, val_fraction: float) -> bool:
+    # A stable hash of the index: streaming-friendly and independent of corpus size.
+    h = int.from_bytes(hashlib.blake2b(str(doc_index).encode(), digest_size=4).digest(), "little")
+    return (h % 100_000) < val_fraction * 100_000
+
+
+def _load_prepared(root: Path) -> PreparedData:
+    meta = json.loads((root / "meta.json").read_text())
+    return PreparedData(root, [root / s for s in meta["train_shards"]], root / meta["val_shard"],
+                        root / "tokenizer.json", meta)
+
+
+def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
+    cfg = _plain(cfg)
+    validate_data_config(cfg)
+    root = Path(cache_dir) / f"{cfg['source']['kind']}-{cache_key(cfg)}"
+    if (root / "meta.json").is_file():
+        return _load_prepared(root)
+    root.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    docs = sources.documents(cfg["source"])
+    max_tokens = cfg.get("max_tokens")
+
+    tok_cfg = cfg["tokenizer"]
+    if tok_cfg.get("path"):
+        tok = load_tokenizer(tok_cfg["path"])
+        head: list[str] = []
+    else:  # train on the first `train_chars` characters, then keep streaming the rest of the same iterator
+        head, chars = [], 0
+        for doc in docs:
+            head.append(doc)
+            chars += len(doc)
+            if chars >= tok_cfg["train_chars"]:
+                break
+        if not head:
+            raise ConfigError("data.source", cfg["source"], "the source yielded no text")
+        tok = train_bpe(head, tok_cfg["vocab_size"])
+    shards.atomic_write_bytes(root / "tokenizer.json", [tok.to_str().encode()])
+    eos = eos_id(tok)
+    dtype = shards.dtype_for_vocab(tok.get_vocab_size())
+
+    shard_tokens = int(cfg.get("shard_tokens", 100_000_000))
+    train_buf: list[np.ndarray] = []
+    val_buf: list[np.ndarray] = []
+    train_names: list[str] = []
+    counts = {"train": 0, "val": 0, "documents": 0, "val_documents": 0}
+
+    def flush_train():
+        if train_buf:
+            name = f"train_{len(train_names):03d}.bin"
+            shards.write_shard(root / name, np.concatenate(train_buf))
+            train_names.append(name)
+            train_buf.clear()
+
+    all_docs = itertools.chain(head, docs)
+    bar = _progress_bar(progress)
+    task = bar.add_task("tokenizing", total=max_tokens) if bar else None
+    pending = 0
+    with bar or _nullcontext():
+        while True:
+            batch = list(itertools.islice(all_docs, 256))
+            if not batch:
+                break
+            for ids in tok.encode_batch(batch):
+                arr = np.asarray(ids.ids + [eos], dtype=dtype)
+                is_val = _is_val(counts["documents"], cfg["val_fraction"])
+                (val_buf if is_val else train_buf).append(arr)
+                counts["val" if is_val else "train"] += arr.size
+                counts["val_documents"] += int(is_val)
+                counts["documents"] += 1
+                pending += arr.size
+            if bar:
+                bar.update(task, advance=pending, description=f"tokenizing ({counts['documents']} docs)")
+                pending = 0
+            if sum(a.size for a in train_buf) >= shard_tokens:
+                flush_train()
+            if max_tokens and counts["train"] + counts["val"] >= max_tokens:
+                break
+    flush_train()
+    if not train_names or not val_buf:
+        raise ConfigError("data.source", cfg["source"].get("paths", cfg["source"]["kind"]),
+                          f"too little text to split into train and validation ({counts['documents']} documents)")
+    shards.write_shard(root / "val.bin", np.concatenate(val_buf))
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "source": cfg["source"],
+        "tokenizer": {"hash": tokenizer_hash(tok), "vocab_size": tok.get_vocab_size(), "eos_id": eos,
+                      "trained": not tok_cfg.get("path")},
+        "dtype": np.dtype(dtype).name,
+        "tokens": counts,
+        "train_shards": train_names,
+        "val_shard": "val.bin",
+        "val_fraction": cfg["val_fraction"],
+        "seconds": round(time.time() - start, 1),
+    }
+    shards.atomic_write_bytes(root / "meta.json", [json.dumps(meta, indent=2).encode()])
+    return _load_prepared(root)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _progress_bar(enabled: bool):
+    if not enabled:
+        return None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                    TimeElapsedColumn(), transient=True)

@@ -1,0 +1,74 @@
+"""The token-shard format: a 64-byte header (magic, version, dtype, token count) then the raw tokens.
+
+Written atomically (temporary file in the same folder, fsync, rename), so a crash never leaves a half shard that
+looks whole. Read back as a memmap after checking magic, version, dtype and that the size matches the header.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"SALMTOK\x00"
+VERSION = 1
+HEADER_BYTES = 64
+_HEADER = struct.Struct("<8sIIQ")  # magic, version, dtype code, token count
+_DTYPES = {1: np.uint16, 2: np.uint32}
+
+
+class ShardError(ValueError):
+    pass
+
+
+def dtype_for_vocab(vocab_size: int):
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
+def atomic_write_bytes(path: Path, chunks) -> None:
+    """Write an iterable of byte chunks to `path` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_shard(path: Path, tokens: np.ndarray) -> None:
+    code = {np.dtype(v): k for k, v in _DTYPES.items()}.get(tokens.dtype)
+    if code is None:
+        raise ShardError(f"shard tokens must be uint16 or uint32, got {tokens.dtype}")
+    header = _HEADER.pack(MAGIC, VERSION, code, tokens.size).ljust(HEADER_BYTES, b"\x00")
+    atomic_write_bytes(path, [header, np.ascontiguousarray(tokens).tobytes()])
+
+
+def read_shard(path: Path) -> np.memmap:
+    path = Path(path)
+    if not path.is_file():
+        raise ShardError(f"token shard {path} does not exist")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(HEADER_BYTES)
+    if len(head) < HEADER_BYTES or head[:8] != MAGIC:
+        raise ShardError(f"{path} is not a token shard (bad magic); delete it and prepare the data again")
+    _, version, code, count = _HEADER.unpack(head[: _HEADER.size])
+    if version != VERSION or code not in _DTYPES:
+        raise ShardError(f"{path}: unsupported shard version {version} / dtype code {code}")
+    dtype = np.dtype(_DTYPES[code])
+    if size != HEADER_BYTES + count * dtype.itemsize:
+        raise ShardError(
+            f"{path} is truncated or corrupt: header says {count} tokens ({HEADER_BYTES + count * dtype.itemsize} "
+            f"bytes) but the file has {size} bytes; delete the data folder to prepare it again"
+        )
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))

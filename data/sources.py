@@ -1,0 +1,126 @@
+"""Where text comes from: the embedded corpus, local files, or a HuggingFace hub dataset.
+
+Every source yields documents (strings). The embedded corpus needs no download at all: it is the English prose
+that ships with every Python installation (the standard library's docstrings and the pydoc topic pages),
+extracted at prepare time, so `python train.py` works offline on a fresh machine.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import sysconfig
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+from model.config import ConfigError
+
+SOURCE_KINDS = ("embedded", "files", "hf")
+_FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def embedded_documents(min_chars: int = 200) -> Iterator[str]:
+    """pydoc topics, then module/class/function docstrings of the stdlib, parsed with ast (nothing is imported)."""
+    from pydoc_data.topics import topics
+
+    for name in sorted(topics):
+        if len(topics[name]) >= min_chars:
+            yield topics[name]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        parts = []
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 40:
+                    parts.append(doc)
+        text = "\n\n".join(parts)
+        if len(text) >= min_chars:
+            yield text
+
+
+def _builder(path: str) -> str:
+    name = path[:-3] if path.endswith(".gz") else path
+    for ext, builder in _FILE_BUILDERS.items():
+        if name.endswith(ext):
+            return builder
+    raise ConfigError("data.source.paths", path, f"unsupported file type; use one of {sorted(_FILE_BUILDERS)} (optionally .gz)")
+
+
+def resolve_files(paths) -> list[str]:
+    """Expand globs and folders into a sorted list of files; missing files are a config error."""
+    if isinstance(paths, str):
+        paths = [paths]
+    files: list[str] = []
+    for pattern in paths or []:
+        pattern = os.path.expanduser(str(pattern))
+        if os.path.isdir(pattern):
+            matches = sorted(p for p in glob.glob(os.path.join(pattern, "**", "*"), recursive=True) if os.path.isfile(p))
+            matches = [p for p in matches if not Path(p).name.startswith(".") and Path(p).suffix not in {".md", ".tsv"}]
+        else:
+            matches = sorted(glob.glob(pattern, recursive=True))
+        if not matches:
+            raise ConfigError("data.source.paths", pattern, "no such file; give existing files, folders or globs")
+        files.extend(matches)
+    if not files:
+        raise ConfigError("data.source.paths", paths, "data.source.kind=files needs at least one path")
+    for f in files:
+        _builder(f)
+    return files
+
+
+def file_documents(paths, text_field: str = "text", streaming: bool = True) -> Iterator[str]:
+    """Local txt / jsonl / json / parquet files (gzip too) through `datasets`' own loaders."""
+    import datasets
+
+    files = resolve_files(paths)
+    by_builder: dict[str, list[str]] = {}
+    for f in files:
+        by_builder.setdefault(_builder(f), []).append(f)
+    for builder, group in by_builder.items():
+        kwargs = {"sample_by": "document"} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files={"train": group}, split="train", streaming=streaming, **kwargs)
+        for row in ds:
+            if text_field not in row:
+                raise ConfigError("data.source.text_field", text_field, f"not a field of {group[0]}: {sorted(row)}")
+            if row[text_field]:
+                yield row[text_field]
+
+
+def hub_documents(name: str, config: str | None, split: str, text_field: str, streaming: bool = True) -> Iterator[str]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, config, split=split, streaming=streaming)
+    except Exception as err:  # offline, unknown name, no permission: say how to use local files instead
+        raise RuntimeError(
+            f"could not open the HuggingFace dataset {name!r} ({type(err).__name__}: {str(err).splitlines()[0][:200]}).\n"
+            "This machine may have no hub access. Point the data at local files instead, e.g.\n"
+            "  python train.py ... data=files data.source.paths='[/path/to/corpus/*.jsonl.gz]' data.source.text_field=text\n"
+            "(txt, jsonl/json and parquet, gzip-compressed too), or pre-download the dataset and set HF_DATASETS_CACHE."
+        ) from err
+    for row in ds:
+        if row.get(text_field):
+            yield row[text_field]
+
+
+def documents(source) -> Iterator[str]:
+    kind = source["kind"]
+    if kind == "embedded":
+        return embedded_documents()
+    if kind == "files":
+        return file_documents(source["paths"], source.get("text_field", "text"), source.get("streaming", True))
+    if kind == "hf":
+        return hub_documents(source["name"], source.get("config"), source.get("split", "train"),
+                             source.get("text_field", "text"), source.get("streaming", True))
+    raise ConfigError("data.source.kind", kind, f"choose one of {SOURCE_KINDS}")

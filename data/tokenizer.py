@@ -1,0 +1,47 @@
+"""Train a byte-level BPE tokenizer on the training text, or load an existing tokenizer.json."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS = "<|endoftext|>"
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file {path} does not exist (data.tokenizer.path)")
+    return Tokenizer.from_file(str(path))
+
+
+def eos_id(tok: Tokenizer) -> int:
+    token_id = tok.token_to_id(EOS)
+    if token_id is None:  # a foreign tokenizer: fall back to its own end-of-text style token, if any
+        for candidate in ("</s>", "<|end_of_text|>", "<eos>"):
+            if tok.token_to_id(candidate) is not None:
+                return tok.token_to_id(candidate)
+        raise ValueError(f"tokenizer has no end-of-text token ({EOS} or </s>)")
+    return token_id
+
+
+def tokenizer_hash(tok: Tokenizer) -> str:
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]

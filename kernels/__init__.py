@@ -1,0 +1,94 @@
+"""banded_attention: the one attention primitive behind SWA, SA and gated SA+SWA (docs: method.md).
+
+Tokens are stored in some order (original for SWA, permuted by pi for SA). The query in storage slot i attends to
+the key in slot j iff  i - left <= j <= i + right  and  pos[j] <= pos[i]  (pos = original position of a slot).
+Inputs and output are always in ORIGINAL order; backends move rows through pi themselves.
+
+Backends (``backend=``):
+  auto   - triton on CUDA, torch on CPU
+  torch  - O(n*w) blocked PyTorch (fused SDPA per query block); CPU default, any device
+  triton - fused Triton forward/backward loading rows through pi (CUDA, or CPU under TRITON_INTERPRET=1)
+  flex   - torch FlexAttention with a band block mask and a pi mask_mod (forward only on CPU)
+  naive  - dense O(n^2) masked reference (tests only)
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton", "flex", "naive")
+
+
+def default_band(window: int, permuted: bool) -> tuple[int, int]:
+    """(left, right) band for `window` slots including self: causal (w-1, 0) in original order, symmetric under pi."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if not permuted:
+        return window - 1, 0
+    return (window - 1) // 2, window // 2
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if backend == "triton" and not (device.type == "cuda" or triton_interpreting()):
+        raise RuntimeError(
+            "attention.backend=triton needs a CUDA device (or TRITON_INTERPRET=1 on CPU for testing); "
+            "use backend=auto or backend=torch on this machine"
+        )
+    if backend == "triton" and not _triton_available():
+        raise RuntimeError("attention.backend=triton but the triton package is not installed (pip install triton)")
+    return backend
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def banded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    perm: torch.Tensor | None = None,
+    band: tuple[int, int] | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Banded attention. q [B,Hq,n,D], k/v [B,Hkv,n,D] in original order; perm None (SWA) or [n] / [B,n] (SA)."""
+    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"expected q [B,Hq,n,D] and k, v [B,Hkv,n,D]; got {tuple(q.shape)}, {tuple(k.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    n = q.shape[2]
+    if perm is not None and (perm.shape[-1] != n or perm.dim() not in (1, 2)):
+        raise ValueError(f"perm must have shape [n] or [B, n] with n={n}, got {tuple(perm.shape)}")
+    left, right = band if band is not None else default_band(window, perm is not None)
+    name = resolve_backend(backend, q.device)
+    if name == "torch":
+        from kernels.torch_band import torch_banded_attention
+
+        return torch_banded_attention(q, k, v, left, right, perm, scale)
+    if name == "naive":
+        from kernels.naive import naive_banded_attention
+
+        return naive_banded_attention(q, k, v, left, right, perm, scale)
+    if name == "triton":
+        from kernels.triton_band import triton_banded_attention
+
+        return triton_banded_attention(q, k, v, left, right, perm, scale)
+    from kernels.flex import flex_banded_attention
+
+    return flex_banded_attention(q, k, v, left, right, perm, scale)

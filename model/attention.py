@@ -1,0 +1,68 @@
+"""Attention variants (docs/method.md): projections, RoPE at original positions, gates, one call into kernels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels import banded_attention
+from model.config import AttentionConfig, ModelConfig
+from model.layers import Rotary
+from model.permutation import PermutationSampler
+
+
+def full_causal_attention(q, k, v, backend: str = "auto"):
+    if backend == "naive":
+        return banded_attention(q, k, v, window=q.shape[2], backend="naive")
+    if q.shape[1] != k.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    """Causal self-attention whose pattern is full, SWA, SA or gated SA+SWA.
+
+    SA draws pi from the shared sampler (one pi per layer, shared by all heads). Gated SA+SWA runs both paths on the
+    same q, k, v and mixes them per head with two independent sigmoid gates of the layer input:
+    y_h = sigmoid(g_sa,h) * y_SA,h + sigmoid(g_swa,h) * y_SWA,h.
+    """
+
+    def __init__(self, cfg: ModelConfig, attn: AttentionConfig, layer: int, sampler: PermutationSampler):
+        super().__init__()
+        self.cfg, self.attn, self.layer, self.sampler = cfg, attn, layer, sampler
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, H * D, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, Hkv * D, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, Hkv * D, bias=False)
+        self.o_proj = nn.Linear(H * D, cfg.d_model, bias=False)
+        self.rotary = Rotary(D, cfg.max_seq_len, cfg.rope_theta)
+        # W_g: d_model -> 2*H (first H: SA gates, last H: SWA gates); zero init = both gates at 0.5.
+        self.gate = nn.Linear(cfg.d_model, 2 * H, bias=True) if attn.kind == "gated_sa_swa" else None
+        if self.gate is not None:
+            nn.init.zeros_(self.gate.weight)
+            nn.init.zeros_(self.gate.bias)
+
+    def _perm(self, n: int, batch: int, lengths, device):
+        return self.sampler.sample(self.layer, n, batch, self.training, lengths, device)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        B, n, _ = x.shape
+        H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+        q = self.rotary(self.q_proj(x).view(B, n, H, D).transpose(1, 2))
+        k = self.rotary(self.k_proj(x).view(B, n, Hkv, D).transpose(1, 2))
+        v = self.v_proj(x).view(B, n, Hkv, D).transpose(1, 2)
+        kind, w, backend = self.attn.kind, self.attn.window, self.attn.backend
+        if kind == "full":
+            y = full_causal_attention(q, k, v, backend)
+        elif kind == "swa":
+            y = banded_attention(q, k, v, w, backend=backend)
+        elif kind == "sa":
+            y = banded_attention(q, k, v, w, perm=self._perm(n, B, lengths, x.device), backend=backend)
+        else:
+            y_sa = banded_attention(q, k, v, w, perm=self._perm(n, B, lengths, x.device), backend=backend)
+            y_swa = banded_attention(q, k, v, w, backend=backend)
+            g = torch.sigmoid(self.gate(x)).transpose(1, 2).unsqueeze(-1)  # [B, 2H, n, 1]
+            y = g[:, :H] * y_sa + g[:, H:] * y_swa
+        return self.o_proj(y.transpose(1, 2).reshape(B, n, H * D))

@@ -1,0 +1,80 @@
+"""Typed model/attention configs and their validation: every bad value is rejected here, before any work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+ATTENTION_KINDS = ("full", "swa", "sa", "gated_sa_swa")
+BACKENDS = ("auto", "torch", "triton", "flex", "naive")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key, the value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, hint: str):
+        super().__init__(f"invalid config: {key}={value!r}: {hint}")
+        self.key = key
+
+
+@dataclass
+class AttentionConfig:
+    kind: str = "full"
+    window: int = 64  # band slots per query, including itself (docs/method.md)
+    backend: str = "auto"
+    eval_seed: int = 0  # SA permutations in eval mode come from (eval_seed, layer)
+    per_sequence_perm: bool = True  # SA: an independent permutation for every sequence of the batch
+
+    def __post_init__(self):
+        if self.kind not in ATTENTION_KINDS:
+            raise ConfigError("attention.kind", self.kind, f"choose one of {ATTENTION_KINDS}")
+        if self.backend not in BACKENDS:
+            raise ConfigError("attention.backend", self.backend, f"choose one of {BACKENDS}")
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ConfigError("attention.window", self.window, "the band holds w >= 1 slots (w counts the query itself)")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 8192
+    n_layers: int = 4
+    d_model: int = 256
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention; None = n_heads
+    ffn_hidden: int | None = None  # None = 8/3 * d_model rounded up to a multiple of 256 (Llama / FLA convention)
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for key in ("vocab_size", "n_layers", "d_model", "n_heads", "max_seq_len"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"model.{key}", value, "must be a positive integer")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ConfigError("model.n_kv_heads", self.n_kv_heads,
+                              f"must divide model.n_heads={self.n_heads} (each kv head serves a whole group)")
+        if self.d_model % self.n_heads:
+            raise ConfigError("model.d_model", self.d_model, f"must be divisible by model.n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ConfigError("model.d_model", self.d_model, "head dim (d_model / n_heads) must be even for RoPE")
+        if self.ffn_hidden is None:
+            self.ffn_hidden = 256 * -(-(8 * self.d_model // 3) // 256)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def from_mapping(cls, mapping, prefix: str):
+    """Build a config dataclass from a (Hydra) mapping; unknown keys are an error that names them."""
+    mapping = dict(mapping)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(mapping) - known - {"_target_"})
+    if unknown:
+        raise ConfigError(f"{prefix}.{unknown[0]}", mapping[unknown[0]], f"unknown key; known keys: {sorted(known)}")
+    return cls(**{k: v for k, v in mapping.items() if k in known})

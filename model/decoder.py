@@ -1,0 +1,77 @@
+"""The decoder: embeddings, pre-norm blocks (attention + SwiGLU), final norm, LM head."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from model.attention import Attention
+from model.config import AttentionConfig, ModelConfig
+from model.layers import RMSNorm, SwiGLU
+from model.permutation import PermutationSampler
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn: AttentionConfig, layer: int, sampler: PermutationSampler):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, attn, layer, sampler)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+
+    def forward(self, x, lengths=None):
+        x = x + self.attn(self.attn_norm(x), lengths)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn: AttentionConfig, seed: int = 0):
+        super().__init__()
+        self.cfg, self.attn_cfg = cfg, attn
+        self.sampler = PermutationSampler(seed=seed, eval_seed=attn.eval_seed, per_sequence=attn.per_sequence_perm)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, attn, i, self.sampler) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif "attn.gate" in name:
+                nn.init.zeros_(p)  # both gates start at sigmoid(0) = 0.5
+            elif name.endswith(("o_proj.weight", "down.weight")):
+                nn.init.normal_(p, std=std / math.sqrt(2 * self.cfg.n_layers))  # GPT-2 scaled residual init
+            else:
+                nn.init.normal_(p, std=std)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, n] -> logits [B, n, vocab]. `lengths` marks right padding (SA then permutes real tokens only)."""
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, lengths)
+        return self.lm_head(self.norm(x))
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        total = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            total -= self.embed.weight.numel()
+            if not self.cfg.tie_embeddings:
+                total -= self.lm_head.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (6N + attention), for MFU. Attention counts the band actually computed."""
+        w = seq_len if self.attn_cfg.kind == "full" else min(self.attn_cfg.window, seq_len)
+        paths = 2 if self.attn_cfg.kind == "gated_sa_swa" else 1
+        span = seq_len / 2 if self.attn_cfg.kind == "full" else w
+        attn = 12 * self.cfg.n_layers * self.cfg.d_model * span * paths
+        return 6 * self.num_parameters(non_embedding=True) + attn

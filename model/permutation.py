@@ -1,0 +1,53 @@
+"""The one permutation sampler of SA: model, analysis and tests all draw pi here.
+
+Training: a fresh pi per layer and per forward pass, from a generator seeded by (run seed, global step, layer, rank),
+so a resumed run replays exactly the same permutations. Evaluation: pi from (eval seed, layer), so scores are
+deterministic; an evaluator averages several eval seeds to see the spread.
+
+Padding must not change a result: with right padding of lengths L_b, pi permutes only the first L_b slots and the pad
+slots stay after them, and in eval mode each sequence's pi depends only on (eval seed, layer, L_b), never on what else
+is in the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+def seeded_generator(*keys: int) -> torch.Generator:
+    """A CPU generator whose seed is a stable hash of the keys (no accidental collisions like seed + step)."""
+    digest = hashlib.blake2b(repr(tuple(int(k) for k in keys)).encode(), digest_size=8).digest()
+    gen = torch.Generator()
+    gen.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    return gen
+
+
+def _padded_permutation(n: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    if length >= n:
+        return torch.randperm(n, generator=gen)
+    return torch.cat([torch.randperm(length, generator=gen), torch.arange(length, n)])
+
+
+@dataclass
+class PermutationSampler:
+    seed: int = 0
+    eval_seed: int = 0
+    rank: int = 0
+    step: int = 0  # the trainer's global step, set before every training forward
+    per_sequence: bool = True
+
+    def sample(self, layer: int, n: int, batch: int, training: bool, lengths=None, device=None) -> torch.Tensor:
+        """pi for one layer: [n] (shared by the batch) or [batch, n] (per sequence), on `device`."""
+        if training:
+            gen = seeded_generator(self.seed, self.step, layer, self.rank)
+            if not self.per_sequence and lengths is None:
+                return torch.randperm(n, generator=gen).to(device)
+            lens = [n] * batch if lengths is None else [int(x) for x in lengths]
+            return torch.stack([_padded_permutation(n, length, gen) for length in lens]).to(device)
+        if lengths is None:  # every sequence would draw the same pi: share it
+            return torch.randperm(n, generator=seeded_generator(self.eval_seed, layer)).to(device)
+        perms = [_padded_permutation(n, int(length), seeded_generator(self.eval_seed, layer)) for length in lengths]
+        return torch.stack(perms).to(device)

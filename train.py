@@ -1,0 +1,223 @@
+"""Train a decoder with full, SWA, SA or gated SA+SWA attention.
+
+    python train.py attention=gated_sa_swa
+    python train.py -m attention=full,swa,sa,gated_sa_swa trainer.max_steps=20
+    python train.py experiment=paper_360m trainer=ddp
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+ROOT = Path(__file__).resolve().parent
+OmegaConf.register_new_resolver("steps", lambda tokens, per: max(1, int(float(tokens)) // int(per)), replace=True)
+
+
+def check_config(cfg: DictConfig):
+    """Validate everything cheap to check before any work; raises ConfigError naming the key."""
+    from data.prepare import validate_data_config
+    from model.config import AttentionConfig, ConfigError, ModelConfig, from_mapping
+
+    model_cfg = from_mapping(ModelConfig, cfg.model, "model")
+    attn_cfg = from_mapping(AttentionConfig, cfg.attention, "attention")
+    if cfg.data.seq_len < 1:
+        raise ConfigError("data.seq_len", cfg.data.seq_len, "sequence length must be positive")
+    if cfg.data.seq_len > model_cfg.max_seq_len:
+        raise ConfigError("data.seq_len", cfg.data.seq_len, f"must be <= model.max_seq_len={model_cfg.max_seq_len}")
+    for key in ("max_steps", "val_every_n_steps", "checkpoint_every_n_steps", "accumulate_grad_batches"):
+        if int(cfg.trainer[key]) < 1:
+            raise ConfigError(f"trainer.{key}", cfg.trainer[key], "must be a positive integer")
+    if cfg.data.batch_size < 1:
+        raise ConfigError("data.batch_size", cfg.data.batch_size, "must be a positive integer")
+    if cfg.trainer.strategy not in ("auto", "ddp", "fsdp", "ddp_spawn"):
+        raise ConfigError("trainer.strategy", cfg.trainer.strategy, "choose auto, ddp, fsdp or ddp_spawn")
+    if cfg.resume not in (None, "auto"):
+        raise ConfigError("resume", cfg.resume, "use resume=auto, or ckpt_path=<file> for a specific checkpoint")
+    if cfg.ckpt_path and not Path(cfg.ckpt_path).is_file():
+        raise ConfigError("ckpt_path", cfg.ckpt_path, "no such checkpoint file")
+    validate_data_config(OmegaConf.to_container(cfg.data, resolve=True))
+    return model_cfg, attn_cfg
+
+
+def _precision(cfg, accelerator_is_cuda: bool) -> str:
+    if cfg.trainer.precision != "auto":
+        return cfg.trainer.precision
+    return "bf16-mixed" if accelerator_is_cuda else "32-true"
+
+
+def _git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return rev.stdout.strip() + (" (dirty)" if dirty.stdout.strip() else "") if rev.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _wandb_mode(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or "api.wandb.ai" in (
+        Path.home().joinpath(".netrc").read_text() if Path.home().joinpath(".netrc").is_file() else "")
+    return "online" if has_key else "offline"
+
+
+def _loggers(cfg, run_dir: Path):
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    loggers = [CSVLogger(save_dir=str(run_dir), name="", version="")]
+    wb = cfg.logger.get("wandb") if cfg.get("logger") else None
+    if wb:
+        mode = _wandb_mode(wb.mode)
+        if mode != "disabled":
+            os.environ["WANDB_MODE"] = mode
+            loggers.append(WandbLogger(project=wb.project, entity=wb.entity, group=wb.group, name=cfg.run_name,
+                                       tags=list(wb.tags), save_dir=str(run_dir), offline=mode == "offline",
+                                       config=OmegaConf.to_container(cfg, resolve=True)))
+    return loggers
+
+
+def _resume_checkpoint(cfg, ckpt_dir: Path):
+    if cfg.ckpt_path:
+        return str(cfg.ckpt_path)
+    if cfg.resume == "auto":
+        candidates = sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+        return str(candidates[-1]) if candidates else None
+    return None
+
+
+def train(cfg: DictConfig) -> dict:
+    """Compose -> validate -> prepare data -> fit. Returns the final metrics."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    model_cfg, attn_cfg = check_config(cfg)
+
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+    from rich.console import Console
+
+    from data.datamodule import TokenDataModule
+    from data.prepare import prepare
+    from model.config import ConfigError
+    from model.lightning_module import LitDecoder
+
+    console = Console(stderr=True)
+    run_dir = Path(cfg.paths.run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    use_cuda = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
+
+    module = LitDecoder(model=OmegaConf.to_container(cfg.model, resolve=True),
+                        attention=OmegaConf.to_container(cfg.attention, resolve=True),
+                        optim=OmegaConf.to_container(cfg.optim, resolve=True), seed=cfg.seed,
+                        max_steps=int(cfg.optim.get("schedule_steps") or cfg.trainer.max_steps))
+    n_params = module.model.num_parameters()
+    console.print(f"[bold]model[/]: {n_params / 1e6:.2f}M parameters "
+                  f"({module.model.num_parameters(non_embedding=True) / 1e6:.2f}M non-embedding), "
+                  f"attention={attn_cfg.kind} window={attn_cfg.window} backend={attn_cfg.backend}")
+
+    data = prepare(cfg.data, cfg.data.cache_dir)
+    if data.vocab_size > model_cfg.vocab_size:
+        raise ConfigError("model.vocab_size", model_cfg.vocab_size,
+                          f"smaller than the tokenizer's vocabulary ({data.vocab_size}); raise it to >= {data.vocab_size}")
+    console.print(f"[bold]data[/]: {data.meta['tokens']['train']:,} train / {data.meta['tokens']['val']:,} val tokens "
+                  f"in {data.root}")
+
+    devices = cfg.trainer.devices
+    world = int(cfg.trainer.num_nodes) * (torch.cuda.device_count() if devices == -1 and use_cuda else int(devices)
+                                           if devices not in ("auto", -1) else 1)
+    accumulate = int(cfg.trainer.accumulate_grad_batches)
+    if cfg.optim.get("tokens_per_step"):
+        per_micro = int(cfg.data.batch_size) * int(cfg.data.seq_len) * world
+        accumulate = max(1, round(int(cfg.optim.tokens_per_step) / per_micro))
+    max_steps = int(cfg.trainer.max_steps)
+    datamodule = TokenDataModule(data.train_shards, data.val_shard, seq_len=int(cfg.data.seq_len),
+                                 batch_size=int(cfg.data.batch_size), seed=int(cfg.seed),
+                                 val_windows=int(cfg.data.val_windows), val_batch_size=int(cfg.data.val_batch_size),
+                                 num_workers=int(cfg.data.num_workers), total_micro_batches=max_steps * accumulate)
+
+    strategy = cfg.trainer.strategy
+    if strategy == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        from model.decoder import Block
+
+        strategy = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD")
+    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, filename="step{step:07d}", auto_insert_metric_name=False,
+                                 every_n_train_steps=int(cfg.trainer.checkpoint_every_n_steps), save_top_k=-1,
+                                 save_last=True)]
+    if cfg.trainer.progress_bar:
+        callbacks.append(RichProgressBar(leave=True))
+    loggers = _loggers(cfg, run_dir)
+    trainer = L.Trainer(
+        accelerator=cfg.trainer.accelerator, devices=devices, num_nodes=int(cfg.trainer.num_nodes), strategy=strategy,
+        precision=_precision(cfg, use_cuda), max_steps=max_steps, max_epochs=-1,
+        accumulate_grad_batches=accumulate, val_check_interval=int(cfg.trainer.val_every_n_steps) * accumulate,
+        check_val_every_n_epoch=None, log_every_n_steps=int(cfg.trainer.log_every_n_steps), logger=loggers,
+        callbacks=callbacks, enable_progress_bar=bool(cfg.trainer.progress_bar), use_distributed_sampler=False,
+        num_sanity_val_steps=0, default_root_dir=str(run_dir), enable_model_summary=False,
+    )
+    if trainer.is_global_zero:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        (run_dir / "git_revision.txt").write_text(_git_revision() + "\n")
+    ckpt = _resume_checkpoint(cfg, ckpt_dir)
+    ok = False
+    try:
+        trainer.validate(module, datamodule=datamodule, verbose=False) if ckpt is None else None
+        start_loss = trainer.callback_metrics.get("val/loss")
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+        ok = True
+    finally:
+        _finish_wandb(ok)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    if start_loss is not None:
+        metrics["val/loss_at_start"] = float(start_loss)
+    if trainer.is_global_zero:
+        _summary(console, run_dir, ckpt_dir, metrics, loggers)
+    return metrics
+
+
+def _finish_wandb(ok: bool):
+    if "wandb" in sys.modules:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish(exit_code=0 if ok else 1)
+
+
+def _summary(console, run_dir: Path, ckpt_dir: Path, metrics: dict, loggers):
+    lines = [f"run directory : {run_dir}",
+             f"checkpoints   : {ckpt_dir / 'last.ckpt'}",
+             f"config        : {run_dir / 'config.yaml'}",
+             f"metrics (CSV) : {run_dir / 'metrics.csv'}"]
+    for lg in loggers:
+        if type(lg).__name__ == "WandbLogger":
+            lines.append(f"W&B run       : {run_dir / 'wandb'} (offline runs upload with `wandb sync <dir>`)")
+    if "val/loss_at_start" in metrics and "val/loss" in metrics:
+        lines.append(f"val loss      : {metrics['val/loss_at_start']:.3f} -> {metrics['val/loss']:.3f}")
+    console.print("\n".join(lines))
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig):
+    from model.config import ConfigError
+
+    try:
+        metrics = train(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    return metrics.get("val/loss")
+
+
+if __name__ == "__main__":
+    main()
