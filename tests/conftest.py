@@ -26,7 +26,8 @@ def write_corpus(folder: Path, n_docs: int = 400) -> Path:
     """A small English corpus for tests: the pydoc topic pages that ship with Python, as jsonl."""
     from pydoc_data.topics import topics
 
-    docs = [text for _, text in sorted(topics.items()) if len(text) > 200][:n_docs]
+    pages = [text for _, text in sorted(topics.items()) if len(text) > 200]
+    docs = [chunk for page in pages for chunk in page.split("\n\n\n") if len(chunk) > 200][:n_docs]
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "corpus.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))

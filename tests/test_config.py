@@ -1,0 +1,83 @@
+"""Every preset composes; every bad value is refused before work, naming the key."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY, compose_train
+from model.config import AttentionConfig, ConfigError, ModelConfig, from_mapping
+from model.decoder import Decoder
+from train import check_config, train
+
+ATTENTIONS = sorted(p.stem for p in (ROOT / "conf" / "attention").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_every_attention_composes(attention, tmp_path, corpus_file):
+    cfg = compose_train([f"attention={attention}"], tmp_path, corpus_file)
+    model_cfg, attn_cfg = check_config(cfg)
+    assert attn_cfg.kind == attention
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes(experiment, tmp_path):
+    cfg = compose_train([f"experiment={experiment}"], tmp_path)
+    assert cfg.trainer.max_steps >= 1
+    from_mapping(ModelConfig, cfg.model, "model")
+    from_mapping(AttentionConfig, cfg.attention, "attention")
+
+
+def test_paper_preset_is_the_papers_model(tmp_path):
+    cfg = compose_train(["experiment=paper_360m", "attention=gated_sa_swa"], tmp_path)
+    model_cfg = from_mapping(ModelConfig, cfg.model, "model")
+    assert (model_cfg.n_layers, model_cfg.d_model, model_cfg.n_heads, model_cfg.max_seq_len,
+            model_cfg.vocab_size) == (24, 1024, 16, 2048, 32000)
+    assert cfg.attention.window == 256 and cfg.optim.lr == 3e-4 and cfg.optim.tokens_per_step == 524288
+    assert cfg.trainer.max_steps == 15_000_000_000 // 524288
+    import torch
+
+    with torch.device("meta"):
+        n = Decoder(model_cfg, from_mapping(AttentionConfig, cfg.attention, "attention")).num_parameters()
+    assert 340e6 <= n <= 380e6
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("attention.kind=linear", "attention.kind"),
+        ("attention.backend=cuda", "attention.backend"),
+        ("attention.window=0", "attention.window"),
+        ("model.n_kv_heads=3", "model.n_kv_heads"),
+        ("+model.n_experts=8", "model.n_experts"),
+        ("data.seq_len=0", "data.seq_len"),
+        ("data.seq_len=-5", "data.seq_len"),
+        ("model.max_seq_len=0", "model.max_seq_len"),
+        ("data.source.paths=[/nonexistent/corpus.jsonl]", "data.source.paths"),
+        ("data.tokenizer.path=/nonexistent/tokenizer.json", "data.tokenizer.path"),
+        ("trainer.max_steps=0", "trainer.max_steps"),
+        ("resume=yes", "resume"),
+    ],
+)
+def test_bad_config_is_refused_with_its_key(override, key, tmp_path, corpus_file):
+    cfg = compose_train(TINY + [override], tmp_path, corpus_file)
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    assert err.value.key == key and key in str(err.value)
+
+
+def test_window_at_least_context_is_valid(tmp_path, corpus_file):
+    cfg = compose_train(TINY + ["attention=swa", "attention.window=4096"], tmp_path, corpus_file)
+    check_config(cfg)
+
+
+def test_vocabulary_smaller_than_tokenizer_is_refused(tmp_path, corpus_file, data_cache):
+    cfg = compose_train(TINY + ["model.vocab_size=300", "trainer.max_steps=1"], tmp_path / "a", corpus_file, data_cache)
+    from data.prepare import prepare
+
+    prepared = prepare(cfg.data, data_cache, progress=False)
+    cfg = compose_train(TINY + ["model.vocab_size=200", f"data.tokenizer.path={prepared.tokenizer_path}"],
+                        tmp_path / "b", corpus_file, data_cache)
+    with pytest.raises(ConfigError, match="model.vocab_size"):
+        train(cfg)
+    assert not Path(tmp_path / "b" / "checkpoints").exists()

@@ -1,0 +1,103 @@
+"""Data: sources -> tokenizer -> shards round trip, cache reuse, refusal of corrupt shards, deterministic windows."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from data import shards
+from data.datamodule import FixedWindows, RandomWindows
+from data.prepare import prepare
+from data.sources import embedded_documents, file_documents
+from data.tokenizer import load_tokenizer
+from model.config import ConfigError
+
+
+def data_cfg(paths, vocab=300, **kw):
+    cfg = {"source": {"kind": "files", "paths": [str(p) for p in paths], "text_field": "text", "streaming": True},
+           "tokenizer": {"path": None, "vocab_size": vocab, "train_chars": 10**7}, "val_fraction": 0.1,
+           "max_tokens": None, "shard_tokens": 10**8}
+    cfg.update(kw)
+    return cfg
+
+
+def test_shard_round_trip_and_header(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 60000, 1001).astype(np.uint16)
+    shards.write_shard(tmp_path / "a.bin", tokens)
+    np.testing.assert_array_equal(shards.read_shard(tmp_path / "a.bin"), tokens)
+    big = np.array([0, 70000, 2**31], dtype=np.uint32)
+    shards.write_shard(tmp_path / "b.bin", big)
+    np.testing.assert_array_equal(shards.read_shard(tmp_path / "b.bin"), big)
+    assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporary files
+
+
+def test_truncated_or_foreign_shard_is_refused(tmp_path):
+    shards.write_shard(tmp_path / "a.bin", np.arange(100, dtype=np.uint16))
+    raw = (tmp_path / "a.bin").read_bytes()
+    (tmp_path / "cut.bin").write_bytes(raw[:-10])
+    with pytest.raises(shards.ShardError, match="truncated"):
+        shards.read_shard(tmp_path / "cut.bin")
+    (tmp_path / "foreign.bin").write_bytes(b"PK\x03\x04" + raw[4:])
+    with pytest.raises(shards.ShardError, match="magic"):
+        shards.read_shard(tmp_path / "foreign.bin")
+
+
+def test_local_file_formats(tmp_path):
+    (tmp_path / "a.txt").write_text("first document\nwith two lines")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"text": "second"}) + "\n" + json.dumps({"text": "third"}) + "\n")
+    docs = list(file_documents([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl.gz")]))
+    assert docs == ["first document\nwith two lines", "second", "third"]
+    with pytest.raises(ConfigError, match="data.source.paths"):
+        list(file_documents([str(tmp_path / "missing*.jsonl")]))
+
+
+def test_embedded_corpus_is_english_prose():
+    docs = []
+    for doc in embedded_documents():
+        docs.append(doc)
+        if len(docs) == 20:
+            break
+    text = " ".join(docs)
+    assert len(text) > 20_000 and " the " in text
+
+
+def test_prepare_round_trip_and_cache(tmp_path, corpus_file):
+    cfg = data_cfg([corpus_file])
+    first = prepare(cfg, tmp_path / "cache", progress=False)
+    tok = load_tokenizer(first.tokenizer_path)
+    assert tok.get_vocab_size() == 300 == first.vocab_size
+    train = np.concatenate([shards.read_shard(p) for p in first.train_shards])
+    val = shards.read_shard(first.val_shard)
+    assert train.dtype == np.uint16 and train.size == first.meta["tokens"]["train"] and val.size > 0
+    eos = first.meta["tokenizer"]["eos_id"]
+    # Decoding the first training document gives back the first non-held-out document of the corpus.
+    first_doc = tok.decode(train[: int(np.argmax(train == eos))].tolist())
+    corpus = [json.loads(line)["text"] for line in corpus_file.read_text().splitlines()]
+    assert first_doc in corpus
+    mtime = (first.root / "meta.json").stat().st_mtime_ns
+    again = prepare(cfg, tmp_path / "cache", progress=False)
+    assert again.root == first.root and (again.root / "meta.json").stat().st_mtime_ns == mtime  # reused
+    other = prepare(data_cfg([corpus_file], vocab=320), tmp_path / "cache", progress=False)
+    assert other.root != first.root  # another input hash, another folder
+
+
+def test_windows_are_deterministic_by_seed_index_rank(tmp_path, corpus_file):
+    prepared = prepare(data_cfg([corpus_file]), tmp_path, progress=False)
+    ds = RandomWindows(prepared.train_shards, seq_len=32, batch_size=4, seed=0, rank=0, length=100)
+    assert ds[5].shape == (4, 33)
+    assert (ds[5] == RandomWindows(prepared.train_shards, 32, 4, 0, 0, 100)[5]).all()
+    assert not (ds[5] == ds[6]).all()
+    assert not (ds[5] == RandomWindows(prepared.train_shards, 32, 4, 0, 1, 100)[5]).all()
+    val = FixedWindows(prepared.val_shard, seq_len=32, max_windows=3)
+    assert len(val) == 3 and (val[1][0] == val[0][-1])  # consecutive windows share their boundary token
+
+
+def test_existing_tokenizer_is_loaded(tmp_path, corpus_file):
+    first = prepare(data_cfg([corpus_file]), tmp_path / "a", progress=False)
+    cfg = data_cfg([corpus_file])
+    cfg["tokenizer"]["path"] = str(first.tokenizer_path)
+    second = prepare(cfg, tmp_path / "b", progress=False)
+    assert not second.meta["tokenizer"]["trained"]
+    assert second.meta["tokenizer"]["hash"] == first.meta["tokenizer"]["hash"]

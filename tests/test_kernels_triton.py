@@ -1,0 +1,236 @@
+"""Fused Triton banded attention vs the dense reference (kernels/naive.py): forward and dq, dk, dv.
+
+On CPU the kernels run through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so sizes are
+small and blocks large. Error measure: ||kernel - reference|| / max(||reference||, 1) over the whole tensor, with the
+reference computed in fp32 from the same inputs. Thresholds: 1e-4 for fp32, 5e-3 for fp16, 3e-2 for bf16 (the
+interpreter truncates fp32 -> bf16 instead of rounding). Every buffer the kernels allocate is pre-filled with NaN, so
+a row the kernels forget to write fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kernels import banded_attention, default_band  # noqa: E402
+from kernels.naive import naive_banded_attention  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cuda" if CUDA and not INTERPRET else "cpu"
+requires_cuda = pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU (compiled Triton)")
+pytestmark = pytest.mark.skipif(not (CUDA or INTERPRET), reason="Triton needs CUDA or TRITON_INTERPRET=1")
+
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True)
+def tb(monkeypatch):
+    """The kernel module (imported lazily, after conftest set TRITON_INTERPRET), with NaN-poisoned allocations."""
+    import kernels.triton_band as module
+
+    def poisoned(shape, like, dtype=None):
+        return torch.full(shape, float("nan"), device=like.device, dtype=like.dtype if dtype is None else dtype)
+
+    monkeypatch.setattr(module, "_empty", poisoned)
+    return module
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1.0)).item()
+
+
+def make_perm(kind: str, B: int, n: int, gen: torch.Generator):
+    if kind == "none":
+        return None
+    if kind == "shared":
+        return torch.randperm(n, generator=gen).to(DEVICE)
+    if kind == "identity":
+        return torch.arange(n, device=DEVICE)
+    return torch.stack([torch.randperm(n, generator=gen) for _ in range(B)]).to(DEVICE)  # "batch": [B, n]
+
+
+def make_inputs(B, Hq, Hkv, n, D, dtype, gen):
+    q = torch.randn(B, Hq, n, D, generator=gen)
+    k = torch.randn(B, Hkv, n, D, generator=gen)
+    v = torch.randn(B, Hkv, n, D, generator=gen)
+    do = torch.randn(B, Hq, n, D, generator=gen)
+    return [t.to(DEVICE, dtype) for t in (q, k, v)], do.to(DEVICE, dtype)
+
+
+def check_against_naive(qkv, do, left, right, perm, dtype, scale=None, tol=None):
+    from kernels.triton_band import triton_banded_attention
+
+    tol = TOL[dtype] if tol is None else tol
+    q, k, v = (t.detach().requires_grad_() for t in qkv)
+    out = triton_banded_attention(q, k, v, left, right, perm, scale)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    # reference in fp32 from the same (rounded) inputs
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in qkv)
+    ref_perm = None if perm is None else perm.long()  # the reference takes int64 perms only
+    ref = naive_banded_attention(q32, k32, v32, left, right, ref_perm, scale)
+    ref_grads = torch.autograd.grad(ref, (q32, k32, v32), do.float())
+
+    assert out.dtype == dtype and out.shape == q.shape
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        assert a.shape == b.shape, name
+        assert torch.isfinite(a).all(), f"{name} has non-finite values (unwritten rows?)"
+        err = rel_err(a, b)
+        assert err <= tol, f"{name}: relative error {err:.3g} > {tol:g}"
+    return out, grads
+
+
+F32, F16 = torch.float32, torch.float16
+# (B, Hq, Hkv, n, D, window, perm kind, dtype); band = default_band(window, permuted): SWA (w-1, 0), SA symmetric
+CASES = [
+    (2, 2, 2, 1, 16, 1, "none", F32),
+    (2, 4, 1, 1, 64, 3, "batch", F32),
+    (2, 4, 2, 17, 16, 3, "none", F32),
+    (2, 4, 1, 17, 64, 64, "batch", F32),  # w >= n
+    (2, 2, 1, 17, 16, 1, "shared", F16),
+    (2, 2, 2, 128, 64, 64, "none", F32),
+    (2, 4, 2, 128, 16, 1, "batch", F32),
+    (2, 4, 4, 128, 64, 3, "shared", F16),
+    (2, 4, 1, 128, 64, 200, "batch", F32),  # band covers the whole sequence: SA = full causal attention
+    (2, 2, 1, 257, 64, 64, "batch", F32),
+    (2, 4, 2, 257, 16, 300, "none", F16),  # SWA with w >= n = full causal attention
+    (2, 2, 2, 257, 64, 3, "shared", F32),
+    (1, 2, 1, 1000, 64, 64, "batch", F32),
+    (1, 4, 1, 1000, 16, 64, "none", F16),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,n,D,w,kind,dtype", CASES, ids=lambda x: str(x).replace("torch.", ""))
+def test_matches_naive(B, Hq, Hkv, n, D, w, kind, dtype):
+    gen = torch.Generator().manual_seed(1000 * n + 10 * w + D)
+    qkv, do = make_inputs(B, Hq, Hkv, n, D, dtype, gen)
+    left, right = default_band(w, kind != "none")
+    check_against_naive(qkv, do, left, right, make_perm(kind, B, n, gen), dtype)
+
+
+def test_identity_perm_with_causal_band_equals_swa():
+    """SA with pi = identity and band (w-1, 0) is SWA: same kernels, HAS_PERM on and off."""
+    from kernels.triton_band import triton_banded_attention
+
+    gen = torch.Generator().manual_seed(1)
+    (q, k, v), do = make_inputs(2, 2, 1, 90, 32, F32, gen)
+    a = triton_banded_attention(q, k, v, 9, 0, None)
+    b = triton_banded_attention(q, k, v, 9, 0, make_perm("identity", 2, 90, gen))
+    assert rel_err(a, b) <= 1e-6
+
+
+def test_strided_inputs_int32_perm_custom_scale():
+    """[B,n,H,D] -> [B,H,n,D] views (no copy), a K whose head dim is strided (copied), int32 [B,n] perm, scale."""
+    gen = torch.Generator().manual_seed(2)
+    B, Hq, Hkv, n, D = 2, 4, 2, 70, 32
+    q = torch.randn(B, n, Hq, D, generator=gen).to(DEVICE).transpose(1, 2)
+    k = torch.randn(B, Hkv, D, n, generator=gen).to(DEVICE).transpose(2, 3)
+    v = torch.randn(B, n, Hkv, D, generator=gen).to(DEVICE).transpose(1, 2)
+    do = torch.randn(B, n, Hq, D, generator=gen).to(DEVICE).transpose(1, 2)
+    perm = make_perm("batch", B, n, gen).to(torch.int32)
+    check_against_naive((q, k, v), do, 5, 6, perm, F32, scale=0.3)
+
+
+def test_non_power_of_two_head_dim():
+    gen = torch.Generator().manual_seed(3)
+    qkv, do = make_inputs(1, 2, 1, 33, 24, F32, gen)
+    check_against_naive(qkv, do, 4, 4, make_perm("shared", 1, 33, gen), F32)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="tile sizes are autotuned on GPU")
+@pytest.mark.parametrize("bm,bn", [(32, 16), (16, 32)])
+def test_rectangular_tiles(tb, monkeypatch, bm, bn):
+    """BLOCK_M != BLOCK_N (as some autotune configs): band ranges and masks of query and key tiles differ."""
+    monkeypatch.setattr(tb, "_interp_blocks", lambda n: {"BLOCK_M": bm, "BLOCK_N": bn})
+    gen = torch.Generator().manual_seed(4)
+    qkv, do = make_inputs(2, 2, 1, 70, 16, F32, gen)
+    check_against_naive(qkv, do, 7, 8, make_perm("batch", 2, 70, gen), F32)
+    check_against_naive(qkv, do, 20, 0, None, F32)
+
+
+def test_backward_is_deterministic():
+    from kernels.triton_band import triton_banded_attention
+
+    gen = torch.Generator().manual_seed(5)
+    qkv, do = make_inputs(2, 4, 1, 100, 32, F32, gen)
+    perm = make_perm("batch", 2, 100, gen)
+    runs = []
+    for _ in range(2):
+        q, k, v = (t.detach().requires_grad_() for t in qkv)
+        out = triton_banded_attention(q, k, v, 12, 12, perm)
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_bf16():
+    """bf16 in, bf16 out, fp32 accumulation (the interpreter takes an fp32 tl.dot path for bf16)."""
+    gen = torch.Generator().manual_seed(6)
+    qkv, do = make_inputs(2, 2, 1, 40, 32, torch.bfloat16, gen)
+    check_against_naive(qkv, do, 3, 4, make_perm("batch", 2, 40, gen), torch.bfloat16)
+
+
+def test_dispatch_from_banded_attention():
+    gen = torch.Generator().manual_seed(7)
+    (q, k, v), _ = make_inputs(2, 2, 2, 50, 16, F32, gen)
+    perm = make_perm("batch", 2, 50, gen)
+    for p in (None, perm):
+        out = banded_attention(q, k, v, 8, perm=p, backend="triton")
+        ref = banded_attention(q, k, v, 8, perm=p, backend="naive")
+        assert rel_err(out, ref) <= 1e-5
+
+
+def test_rejects_bad_arguments():
+    from kernels.triton_band import triton_banded_attention
+
+    q = torch.randn(1, 2, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError):
+        triton_banded_attention(q, q, q, -1, 0, None)
+    with pytest.raises(ValueError):
+        triton_banded_attention(q, q, q, 1, 0, torch.arange(7, device=DEVICE))
+    with pytest.raises(TypeError):
+        triton_banded_attention(q, q.double(), q, 1, 0, None)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    data=st.data(),
+    n=st.integers(1, 48),
+    D=st.sampled_from([16, 32]),
+    Hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 3]),
+    B=st.integers(1, 2),
+    kind=st.sampled_from(["none", "shared", "batch"]),
+)
+def test_property_random_shapes(data, n, D, Hkv, group, B, kind):
+    left = data.draw(st.integers(0, n + 2), label="left")
+    right = 0 if kind == "none" else data.draw(st.integers(0, n + 2), label="right")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    gen = torch.Generator().manual_seed(seed)
+    qkv, do = make_inputs(B, Hkv * group, Hkv, n, D, F32, gen)
+    check_against_naive(qkv, do, left, right, make_perm(kind, B, n, gen), F32)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind,w", [("batch", 256), ("none", 512), ("shared", 1024)])
+def test_gpu_bf16_long_sequence(kind, w):
+    gen = torch.Generator().manual_seed(8)
+    B, Hq, Hkv, n, D = 2, 8, 2, 4096, 128
+    qkv, do = make_inputs(B, Hq, Hkv, n, D, torch.bfloat16, gen)
+    left, right = default_band(w, kind != "none")
+    check_against_naive(qkv, do, left, right, make_perm(kind, B, n, gen), torch.bfloat16, tol=2e-2)
+
+
+@requires_cuda
+@pytest.mark.parametrize("D", [32, 128, 256])
+def test_gpu_fp32_head_dims(D):
+    gen = torch.Generator().manual_seed(9)
+    qkv, do = make_inputs(2, 4, 2, 1500, D, F32, gen)
+    check_against_naive(qkv, do, 63, 64, make_perm("batch", 2, 1500, gen), F32)

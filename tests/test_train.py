@@ -1,0 +1,119 @@
+"""Training end to end on CPU with the real Lightning Trainer and the real configs, at tiny sizes."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, compose_train
+from model.lightning_module import LitDecoder, NonFiniteLossError
+from train import train
+
+
+def read_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
+    """metrics.csv -> {metric: {step: value}}."""
+    out: dict[str, dict[int, float]] = {}
+    with open(run_dir / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if key != "step" and value not in ("", None):
+                    out.setdefault(key, {})[int(row["step"])] = float(value)
+    return out
+
+
+@pytest.mark.parametrize("attention", ["full", "swa", "sa", "gated_sa_swa"])
+def test_each_variant_trains_and_its_loss_falls(attention, tmp_path, corpus_file, data_cache):
+    logger = ["logger=wandb"] if attention == "gated_sa_swa" else []
+    cfg = compose_train(TINY + [f"attention={attention}", "attention.window=8", "trainer.max_steps=30",
+                                "trainer.val_every_n_steps=30", "trainer.checkpoint_every_n_steps=15"] + logger,
+                        tmp_path, corpus_file, data_cache)
+    metrics = train(cfg)
+    assert metrics["val/loss"] < metrics["val/loss_at_start"] - 0.5
+    for name in ("checkpoints/last.ckpt", "checkpoints/step0000015.ckpt", "config.yaml", "metrics.csv",
+                 "git_revision.txt"):
+        assert (tmp_path / name).is_file(), name
+    logged = read_metrics(tmp_path)
+    for key in ("train/loss", "train/lr", "train/grad_norm", "train/tokens", "train/tokens_per_s", "val/loss",
+                "val/ppl"):
+        assert key in logged, key
+    if logger:
+        assert list((tmp_path / "wandb").glob("offline-run-*")), "an offline W&B run is written"
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert ckpt["global_step"] == 30 and any(k.startswith("model.blocks.0.attn") for k in ckpt["state_dict"])
+
+
+def test_resumed_run_reproduces_uninterrupted_losses(tmp_path, corpus_file, data_cache):
+    common = TINY + ["attention=gated_sa_swa", "attention.window=8", "optim.schedule_steps=8",
+                     "trainer.val_every_n_steps=4", "trainer.checkpoint_every_n_steps=4"]
+    full = read_metrics_after(compose_train(common + ["trainer.max_steps=8"], tmp_path / "a", corpus_file, data_cache))
+    compose_first = compose_train(common + ["trainer.max_steps=4"], tmp_path / "b", corpus_file, data_cache)
+    train(compose_first)
+    resumed_cfg = compose_train(common + ["trainer.max_steps=8", "resume=auto"], tmp_path / "b", corpus_file, data_cache)
+    os.rename(tmp_path / "b" / "metrics.csv", tmp_path / "b" / "metrics_first.csv")
+    train(resumed_cfg)
+    resumed = read_metrics(tmp_path / "b")["train/loss"]
+    assert sorted(resumed) == [4, 5, 6, 7]
+    for step in resumed:
+        assert abs(resumed[step] - full["train/loss"][step]) <= 1e-6, step
+
+
+def read_metrics_after(cfg):
+    train(cfg)
+    return read_metrics(Path(cfg.paths.run_dir))
+
+
+def test_non_finite_loss_stops_with_the_step():
+    module = LitDecoder(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
+                        attention=dict(kind="sa", window=4), optim={}, max_steps=10)
+    with torch.no_grad():
+        module.model.embed.weight.fill_(float("nan"))
+    with pytest.raises(NonFiniteLossError, match="at step 0"):
+        module.training_step(torch.randint(0, 32, (2, 9)), 0)
+
+
+def run_cli(args, cwd, env_extra=None, timeout=600):
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+           "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def cli_tiny(corpus, cache):
+    return [a for a in TINY] + ["data=files", f"data.source.paths=[{corpus}]", f"paths.cache_dir={cache}",
+                                "trainer.progress_bar=false"]
+
+
+def test_ddp_on_two_cpu_processes(tmp_path, corpus_file, data_cache):
+    run_dir = tmp_path / "ddp"
+    res = run_cli(cli_tiny(corpus_file, data_cache) + ["trainer=ddp_cpu", "attention=sa", "attention.window=8",
+                  "trainer.max_steps=4", "trainer.val_every_n_steps=2", "logger=csv", f"hydra.run.dir={run_dir}"],
+                  cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert ckpt["global_step"] == 4
+    tokens = read_metrics(run_dir)["train/tokens"]
+    assert tokens[max(tokens)] == 4 * 2 * 4 * 64  # steps x world size x batch x seq_len
+
+
+def test_multirun_runs_one_job_per_variant(tmp_path, corpus_file, data_cache):
+    res = run_cli(["-m", "attention=full,swa,sa,gated_sa_swa", "trainer.max_steps=2", "trainer.val_every_n_steps=2",
+                   "logger=csv", f"paths.log_dir={tmp_path}/runs"] + cli_tiny(corpus_file, data_cache), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    jobs = sorted(p.name for p in (tmp_path / "runs" / "train" / "multirun").glob("*/*") if p.is_dir())
+    assert [j.split("_")[1] for j in jobs] == ["full", "swa", "sa", "gated"]
+    for job in (tmp_path / "runs" / "train" / "multirun").glob("*/*/"):
+        assert (job / "checkpoints" / "last.ckpt").is_file() and (job / "metrics.csv").is_file()
+
+
+def test_paper_preset_without_hub_reports_params_and_how_to_fix(tmp_path):
+    res = run_cli(["experiment=paper_360m", "logger=csv", f"paths.log_dir={tmp_path}", f"paths.cache_dir={tmp_path}"],
+                  cwd=tmp_path, timeout=120)
+    assert res.returncode != 0
+    out = res.stdout + res.stderr
+    params = [line for line in out.splitlines() if "M parameters" in line]
+    assert params and 340 <= float(params[0].split("model:")[1].split("M")[0]) <= 380
+    assert "data=files" in out and "data.source.paths" in out
