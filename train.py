@@ -128,6 +128,7 @@ def train(cfg: DictConfig) -> dict:
     if data.vocab_size > model_cfg.vocab_size:
         raise ConfigError("model.vocab_size", model_cfg.vocab_size,
                           f"smaller than the tokenizer's vocabulary ({data.vocab_size}); raise it to >= {data.vocab_size}")
+    module.tokenizer_json = data.tokenizer_path.read_text()
     console.print(f"[bold]data[/]: {data.meta['tokens']['train']:,} train / {data.meta['tokens']['val']:,} val tokens "
                   f"in {data.root}")
 

@@ -153,6 +153,11 @@ def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
                 flush_train()
             if max_tokens and counts["train"] + counts["val"] >= max_tokens:
                 break
+    if not val_buf and len(train_buf) > 1:  # a tiny corpus whose hash split held out nothing: hold out one doc
+        val_buf.append(train_buf.pop())
+        counts["train"] -= val_buf[0].size
+        counts["val"] += val_buf[0].size
+        counts["val_documents"] += 1
     flush_train()
     if not train_names or not val_buf:
         raise ConfigError("data.source", cfg["source"].get("paths", cfg["source"]["kind"]),

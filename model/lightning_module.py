@@ -41,6 +41,14 @@ class LitDecoder(L.LightningModule):
         self.max_steps = max_steps
         self._last_time = None
         self._peak = None
+        self.tokenizer_json: str | None = None  # saved inside every checkpoint, so a checkpoint alone can be evaluated
+
+    def on_save_checkpoint(self, checkpoint):
+        if self.tokenizer_json is not None:
+            checkpoint["tokenizer"] = self.tokenizer_json
+
+    def on_load_checkpoint(self, checkpoint):
+        self.tokenizer_json = checkpoint.get("tokenizer", self.tokenizer_json)
 
     def forward(self, tokens, lengths=None):
         return self.model(tokens, lengths)

@@ -1,0 +1,1 @@
+"""Benchmarks that produce the rows of BENCHMARKS.md (rerun them; quote ratios measured in one run)."""

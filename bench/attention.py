@@ -1,0 +1,222 @@
+"""Attention latency and memory: full (SDPA) vs SWA vs SA vs gated SA+SWA, per backend, side by side in one run.
+
+    python -m bench.attention                      # CPU defaults (fp32, n up to 16384, ~5 min on 2 cores)
+    python -m bench.attention --n 2048 4096 8192 16384 32768 --dtype bf16   # GPU (backends triton, flex, torch)
+
+Prints a markdown table with the ratios SA/full and SA/SWA, writes CSV and a PNG plot to bench/results/.
+A backend whose output or gradients disagree with the dense reference on a small problem is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels import banded_attention, default_band
+from kernels.naive import naive_banded_attention
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_call(fn, device, reps: int) -> float:
+    fn()  # warm-up (compilation, autotuning, allocator)
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def peak_memory_mb(fn, device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def correctness_ok(backend: str, device, dtype) -> tuple[bool, str]:
+    """Small SA and SWA problems (odd n, GQA, per-sequence pi) against the dense reference, forward and gradients."""
+    torch.manual_seed(0)
+    n, w = 300, 37
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for perm in (None, torch.stack([torch.randperm(n) for _ in range(2)]).to(device)):
+        q = torch.randn(2, 4, n, 64, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(2, 2, n, 64, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(2, 2, n, 64, device=device, dtype=dtype, requires_grad=True)
+        left, right = default_band(w, perm is not None)
+        ref = naive_banded_attention(q.float(), k.float(), v.float(), left, right, perm)
+        g = torch.randn_like(ref)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+        try:
+            out = banded_attention(q, k, v, w, perm=perm, backend=backend)
+            need_grad = not (backend == "flex" and device.type == "cpu")
+            grads = torch.autograd.grad(out, (q, k, v), g.to(dtype)) if need_grad else ref_grads
+        except Exception as err:  # noqa: BLE001 - report any failure as "not timed"
+            return False, f"{type(err).__name__}: {err}"[:120]
+        for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            if not err <= tol:
+                return False, f"{name} relative error {err:.2e} > {tol:.0e}"
+    return True, "ok"
+
+
+def variants(backend: str, w: int, n: int, device):
+    perm = torch.randperm(n, device=device)
+
+    def full(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def swa(q, k, v):
+        return banded_attention(q, k, v, w, backend=backend)
+
+    def sa(q, k, v):
+        return banded_attention(q, k, v, w, perm=perm, backend=backend)
+
+    def gated(q, k, v):  # both paths on the same q, k, v, as in the model (gates are an elementwise mix)
+        return 0.5 * sa(q, k, v) + 0.5 * swa(q, k, v)
+
+    return {"full": full, "swa": swa, "sa": sa, "gated_sa_swa": gated}
+
+
+def run(args) -> list[dict]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype]
+    backends = args.backends or (["triton", "flex", "torch"] if device.type == "cuda" else ["torch"])
+    rows = []
+    gates = {b: correctness_ok(b, device, dtype) for b in backends}
+    for b, (ok, why) in gates.items():
+        print(f"correctness gate {b}: {'ok' if ok else 'FAILED - not timed: ' + why}", flush=True)
+    full_done = set()
+    for n in args.n:
+        q = torch.randn(args.batch, args.heads, n, args.head_dim, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn_like(q, requires_grad=True)
+        v = torch.randn_like(q, requires_grad=True)
+        for backend in backends:
+            if not gates[backend][0]:
+                continue
+            for name, fn in variants(backend, args.window, n, device).items():
+                if name == "full" and (n in full_done or (args.full_max_n and n > args.full_max_n)):
+                    continue
+                with_grad = not (backend == "flex" and device.type == "cpu")
+
+                def fwd():
+                    with torch.no_grad():
+                        fn(q, k, v)
+
+                def fwd_bwd():
+                    fn(q, k, v).sum().backward()
+
+                row = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                       "dtype": args.dtype, "n": n, "w": args.window, "variant": name,
+                       "backend": "sdpa" if name == "full" else backend,
+                       "fwd_ms": time_call(fwd, device, args.reps),
+                       "fwd_bwd_ms": time_call(fwd_bwd, device, args.reps) if with_grad else None,
+                       "peak_mb": peak_memory_mb(fwd_bwd if with_grad else fwd, device)}
+                if name == "full":
+                    full_done.add(n)
+                rows.append(row)
+                print(_fmt_row(row), flush=True)
+    return rows
+
+
+def _fmt(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def _fmt_row(r):
+    return (f"n={r['n']:>6} {r['variant']:>13} {r['backend']:>7}: fwd {_fmt(r['fwd_ms'])} ms, "
+            f"fwd+bwd {_fmt(r['fwd_bwd_ms'])} ms, peak {_fmt(r['peak_mb'])} MB")
+
+
+def ratios_table(rows) -> str:
+    """Markdown: per (n, backend) the latencies and SA/full, SA/SWA ratios (fwd+bwd when measured, else fwd)."""
+    by = {(r["n"], r["backend"], r["variant"]): r for r in rows}
+    lines = ["| n | backend | metric | full (SDPA) ms | SWA ms | SA ms | gated ms | full / SA | SA / SWA |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for n in sorted({r["n"] for r in rows}):
+        full = by.get((n, "sdpa", "full"))
+        for backend in sorted({r["backend"] for r in rows if r["backend"] != "sdpa"}):
+            for metric in ("fwd_ms", "fwd_bwd_ms"):
+                sa, swa, gated = (by.get((n, backend, v)) for v in ("sa", "swa", "gated_sa_swa"))
+                if not sa or sa[metric] is None:
+                    continue
+                f = full[metric] if full else None
+                lines.append(
+                    f"| {n} | {backend} | {'fwd' if metric == 'fwd_ms' else 'fwd+bwd'} | {_fmt(f)} | "
+                    f"{_fmt(swa[metric])} | {_fmt(sa[metric])} | {_fmt(gated[metric] if gated else None)} | "
+                    f"{_fmt(f / sa[metric] if f else None, '.2f')}x | {_fmt(sa[metric] / swa[metric], '.3f')} |")
+    return "\n".join(lines)
+
+
+def save(rows, out_dir: Path, tag: str):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / f"attention_{tag}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric in zip(axes, ("fwd_ms", "fwd_bwd_ms")):
+        for key in sorted({(r["variant"], r["backend"]) for r in rows}):
+            pts = [(r["n"], r[metric]) for r in rows if (r["variant"], r["backend"]) == key and r[metric] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{key[0]} ({key[1]})")
+        ax.set(xscale="log", yscale="log", xlabel="sequence length n", ylabel="ms",
+               title=("forward" if metric == "fwd_ms" else "forward + backward") + f" [{tag}]")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / f"attention_{tag}.png", dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, nargs="+", default=None)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    p.add_argument("--backends", nargs="+", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--full-max-n", type=int, default=None, help="skip full attention above this n (slow on CPU)")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args()
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    args.n = args.n or ([2048, 4096, 8192, 16384, 32768] if cuda else [2048, 4096, 8192, 16384])
+    args.dtype = args.dtype or ("bf16" if cuda else "fp32")
+    rows = run(args)
+    tag = f"{'gpu' if cuda else 'cpu'}_{args.dtype}"
+    save(rows, args.out, tag)
+    table = ratios_table(rows)
+    print(f"\n{table}\n\nthreads={torch.get_num_threads()} torch={torch.__version__} "
+          f"csv/png: {args.out}/attention_{tag}.*")
+    (args.out / f"attention_{tag}.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

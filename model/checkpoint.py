@@ -1,0 +1,62 @@
+"""Rebuild a trained decoder (and its tokenizer) from a checkpoint file or a run directory.
+
+Checkpoints are Lightning checkpoints whose state dict does not depend on the attention backend; they carry the
+model/attention configs (hyper_parameters) and the tokenizer JSON, so a checkpoint alone is enough to evaluate.
+Loaded with weights_only=True.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model.config import AttentionConfig, ModelConfig
+from model.decoder import Decoder
+
+
+@dataclass
+class LoadedModel:
+    model: Decoder
+    tokenizer: object  # tokenizers.Tokenizer
+    eos_id: int
+    checkpoint: Path
+    hparams: dict
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A .ckpt file as is; a run directory -> its checkpoints/last.ckpt (or the newest checkpoint)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    for folder in (path / "checkpoints", path):
+        if (folder / "last.ckpt").is_file():
+            return folder / "last.ckpt"
+        found = sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+        if found:
+            return found[-1]
+    raise FileNotFoundError(f"no checkpoint at {path} (give a .ckpt file or a run directory with checkpoints/)")
+
+
+def load_checkpoint(path: str | Path, attention: dict | None = None, device: str | torch.device = "cpu") -> LoadedModel:
+    """Rebuild the model; `attention` overrides the trained attention config (e.g. another window or backend)."""
+    from tokenizers import Tokenizer
+
+    from data.tokenizer import eos_id
+
+    ckpt_path = find_checkpoint(path)
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    hp = ckpt["hyper_parameters"]
+    attn = {**hp["attention"], **(attention or {})}
+    model = Decoder(ModelConfig(**hp["model"]), AttentionConfig(**attn), seed=hp.get("seed", 0))
+    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # A gated checkpoint evaluated as plain SA/SWA drops its gates; anything else missing is an error.
+    if missing or [k for k in unexpected if ".attn.gate." not in k]:
+        raise RuntimeError(f"checkpoint {ckpt_path} does not match the model: missing {missing}, unexpected {unexpected}")
+    if "tokenizer" not in ckpt:
+        raise RuntimeError(f"checkpoint {ckpt_path} carries no tokenizer (written by an older version?)")
+    tokenizer = Tokenizer.from_str(ckpt["tokenizer"])
+    model.to(device).eval()
+    return LoadedModel(model, tokenizer, eos_id(tokenizer), ckpt_path, hp)
