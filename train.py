@@ -210,11 +210,12 @@ def _summary(console, run_dir: Path, ckpt_dir: Path, metrics: dict, loggers):
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig):
+    from data.sources import DataSourceError
     from model.config import ConfigError
 
     try:
         metrics = train(cfg)
-    except ConfigError as err:
+    except (ConfigError, DataSourceError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     return metrics.get("val/loss")

@@ -18,6 +18,10 @@ from typing import Iterator
 from model.config import ConfigError
 
 SOURCE_KINDS = ("embedded", "files", "hf")
+
+
+class DataSourceError(RuntimeError):
+    """The configured text source cannot be read; the message says how to fix it."""
 _FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -103,7 +107,7 @@ def hub_documents(name: str, config: str | None, split: str, text_field: str, st
     try:
         ds = datasets.load_dataset(name, config, split=split, streaming=streaming)
     except Exception as err:  # offline, unknown name, no permission: say how to use local files instead
-        raise RuntimeError(
+        raise DataSourceError(
             f"could not open the HuggingFace dataset {name!r} ({type(err).__name__}: {str(err).splitlines()[0][:200]}).\n"
             "This machine may have no hub access. Point the data at local files instead, e.g.\n"
             "  python train.py ... data=files data.source.paths='[/path/to/corpus/*.jsonl.gz]' data.source.text_field=text\n"

@@ -13,6 +13,7 @@ def storage_positions(perm: torch.Tensor | None, n: int, device) -> torch.Tensor
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    perm = perm.long()
     inv = torch.empty_like(perm)
     src = torch.arange(perm.shape[-1], device=perm.device).expand_as(perm)
     return inv.scatter_(-1, perm, src)
@@ -20,6 +21,7 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
 
 def gather_rows(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """x [B, H, n, D] in original order -> storage order: out[..., s, :] = x[..., perm[s], :]."""
+    perm = perm.long()
     if perm.dim() == 1:
         return x.index_select(2, perm)
     B, H, n, D = x.shape

@@ -218,6 +218,7 @@ def test_property_random_shapes(data, n, D, Hkv, group, B, kind):
     check_against_naive(qkv, do, left, right, make_perm(kind, B, n, gen), F32)
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("kind,w", [("batch", 256), ("none", 512), ("shared", 1024)])
 def test_gpu_bf16_long_sequence(kind, w):
@@ -228,6 +229,7 @@ def test_gpu_bf16_long_sequence(kind, w):
     check_against_naive(qkv, do, left, right, make_perm(kind, B, n, gen), torch.bfloat16, tol=2e-2)
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("D", [32, 128, 256])
 def test_gpu_fp32_head_dims(D):
