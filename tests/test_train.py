@@ -117,3 +117,20 @@ def test_paper_preset_without_hub_reports_params_and_how_to_fix(tmp_path):
     params = [line for line in out.splitlines() if "M parameters" in line]
     assert params and 340 <= float(params[0].split("model:")[1].split("M")[0]) <= 380
     assert "data=files" in out and "data.source.paths" in out
+
+
+@pytest.mark.parametrize("attention", ["sa", "gated_sa_swa"])
+def test_triton_backend_trains_like_torch_backend(attention, tmp_path, corpus_file, data_cache):
+    """Under TRITON_INTERPRET=1 on CPU the fused kernels must reproduce the torch backend's training losses."""
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("needs a GPU or the Triton interpreter")
+    losses = {}
+    for backend in ("torch", "triton"):
+        cfg = compose_train(TINY + [f"attention={attention}", "attention.window=8", f"attention.backend={backend}",
+                                    "trainer.max_steps=3", "trainer.val_every_n_steps=3", "data.batch_size=2"],
+                            tmp_path / backend, corpus_file, data_cache)
+        train(cfg)
+        losses[backend] = read_metrics(tmp_path / backend)["train/loss"]
+    assert sorted(losses["triton"]) == [0, 1, 2]
+    for step, value in losses["torch"].items():
+        assert abs(losses["triton"][step] - value) <= 1e-4, step
