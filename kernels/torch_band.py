@@ -1,9 +1,13 @@
-"""O(n*w) banded attention in plain PyTorch: one fused SDPA call over all query blocks at once.
+"""O(n*w) banded attention in plain PyTorch, built on the fused SDPA kernel (the CPU default backend).
 
-Slots are cut into query blocks of `block` rows; block b sees the key slots [b*block - left, b*block + block - 1 + right]
-(its span). K/V spans are materialised with `unfold` (about (block+left+right)/block copies of K and V, never scores),
-and SDPA's fused CPU/GPU kernel does softmax(QK^T)V per block with a boolean mask for the band and the original-order
-causality. Scores never leave the fused kernel, which is what makes this fast on CPU (docs/performance.md).
+Storage slots are cut into query blocks of `block` rows; block b sees the key slots
+[b*block - left, b*block + block - 1 + right] (its span). Spans are passed to the fused SDPA kernel as overlapping
+*strided views* of the padded K/V (no copies), with a mask for the band and the original-order causality, so the
+scores never leave the fused kernel (docs/performance.md: materialised scores are ~5x slower on CPU).
+
+The backward is written by hand (autograd.Function) for two reasons: the overlapping span gradients are folded back
+with a few strided adds instead of autograd's generic as_strided/unfold backward, and moving rows through pi
+backwards is a gather with the inverse permutation instead of a zero-fill plus scatter-add.
 """
 
 from __future__ import annotations
@@ -13,27 +17,20 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.order import gather_rows, scatter_rows, storage_positions
+from kernels.order import inverse_permutation, storage_positions
+
+_sdpa_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_sdpa_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def _block_size(n: int, left: int, right: int) -> int:
-    # Work per query ~ block + left + right, calls ~ n / block: a block near the band width balances the two.
-    span = left + right + 1
-    return max(16, min(256, 1 << max(4, math.ceil(math.log2(max(span, 1)))), 1 << math.ceil(math.log2(n))))
+    """Work per query ~ block + left + right and overhead ~ n / block: 128 rows balance the two for w ~ 256."""
+    return int(min(max(16, 1 << math.ceil(math.log2(max(1, (left + right + 1) // 2)))), 128,
+                   max(16, 1 << math.ceil(math.log2(n)))))
 
 
-def _spans(x: torch.Tensor, left: int, right: int, block: int, n_blocks: int) -> torch.Tensor:
-    """x [B,H,n,D] -> [B*n_blocks, H, span, D]: the key/value slots each query block can reach."""
-    B, H, n, D = x.shape
-    span = block + left + right
-    pad_right = n_blocks * block + right - n
-    x = F.pad(x, (0, 0, left, pad_right))
-    x = x.unfold(2, span, block)  # [B, H, n_blocks, D, span]
-    return x.permute(0, 2, 1, 4, 3).reshape(B * n_blocks, H, span, D)
-
-
-def _block_masks(pos: torch.Tensor, n: int, left: int, right: int, block: int, n_blocks: int) -> torch.Tensor:
-    """Boolean [B' * n_blocks, 1, block, span] mask (B' = 1 for a shared order, B for per-sequence orders)."""
+def _block_masks(pos: torch.Tensor, n: int, left: int, right: int, block: int, n_blocks: int, dtype) -> torch.Tensor:
+    """Additive mask [B', n_blocks, 1, block, span] (B' = 1 for one order shared by the batch, else B)."""
     pos = pos if pos.dim() == 2 else pos[None]
     Bp, padded, span = pos.shape[0], n_blocks * block, block + left + right
     never = 2 * (padded + span)  # padded key slots: later than every query, so never visible
@@ -41,31 +38,145 @@ def _block_masks(pos: torch.Tensor, n: int, left: int, right: int, block: int, n
     k_pos = F.pad(pos, (left, padded - n + right), value=never).unfold(1, span, block)  # [Bp, n_blocks, span]
     rows = torch.arange(block, device=pos.device)[:, None]
     cols = torch.arange(span, device=pos.device)[None, :]
-    in_band = (cols >= rows) & (cols <= rows + left + right)
-    mask = in_band & (k_pos[:, :, None, :] <= q_pos[:, :, :, None])
+    visible = ((cols >= rows) & (cols <= rows + left + right)) & (k_pos[:, :, None, :] <= q_pos[:, :, :, None])
     # A padded query (discarded later) must not have an empty softmax row: let it see its own slot.
-    mask |= (cols == rows + left) & (q_pos[:, :, :, None] >= n)
-    return mask.reshape(Bp * n_blocks, 1, block, span)
+    visible |= (cols == rows + left) & (q_pos[:, :, :, None] >= n)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=pos.device).masked_fill_(~visible, float("-inf"))
+    return mask[:, :, None]
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x [B, H, n, D] -> rows reordered by `index` ([n] or [B, n]); the backward gathers with `inverse`."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return _gather(x, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return _gather(grad, inverse), None, None
+
+
+def _gather(x, index):
+    if index.dim() == 1:
+        return x.index_select(2, index)
+    return torch.stack([x[b].index_select(1, index[b]) for b in range(x.shape[0])])
+
+
+class _BandedSDPA(torch.autograd.Function):
+    """Banded attention over storage order: q, k, v [B, H, n, D] (same H), mask from _block_masks."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, left: int, right: int, block: int, scale):
+        B, H, n, D = q.shape
+        nb = math.ceil(n / block)
+        span, Lq, Lk = block + left + right, nb * block, nb * block + left + right
+        outs, lses = [], []
+        for b in range(B):
+            qb, kb, vb = _padded(q[b], 0, Lq - n), _padded(k[b], left, Lk - n - left), _padded(v[b], left, Lk - n - left)
+            o, lse = _sdpa_fwd(_q_view(qb, block), _k_view(kb, block, span), _k_view(vb, block, span), 0.0, False,
+                               attn_mask=_mask_for(mask, b, H), scale=scale)
+            outs.append(o)
+            lses.append(lse)
+        ctx.save_for_backward(q, k, v, mask, *outs, *lses)
+        ctx.shape = (left, right, block, scale)
+        # o is [nb, H, block, D] laid out as [H, nb*block, D]: reading it back in that layout is free.
+        return torch.stack([o.transpose(0, 1).reshape(H, Lq, D)[:, :n] for o in outs])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mask, *rest = ctx.saved_tensors
+        left, right, block, scale = ctx.shape
+        B, H, n, D = q.shape
+        outs, lses = rest[:B], rest[B:]
+        nb = math.ceil(n / block)
+        span, Lq, Lk = block + left + right, nb * block, nb * block + left + right
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for b in range(B):
+            qb, kb, vb = _padded(q[b], 0, Lq - n), _padded(k[b], left, Lk - n - left), _padded(v[b], left, Lk - n - left)
+            go = _padded(grad_out[b], 0, Lq - n)
+            gq, gk, gv = _sdpa_bwd(_q_view(go, block), _q_view(qb, block), _k_view(kb, block, span),
+                                   _k_view(vb, block, span), outs[b], lses[b], 0.0, False,
+                                   attn_mask=_mask_for(mask, b, H), scale=scale)
+            dq[b] = gq.transpose(0, 1).reshape(H, Lq, D)[:, :n]
+            dk[b] = _fold_spans(gk, block, Lk)[:, left : left + n]
+            dv[b] = _fold_spans(gv, block, Lk)[:, left : left + n]
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _padded(x, before: int, after: int):
+    """[H, n, D] -> [H, before + n + after, D], contiguous; only the pad rows are zero-filled."""
+    if not (before or after):
+        return x.contiguous()
+    H, n, D = x.shape
+    out = x.new_empty(H, before + n + after, D)
+    out[:, :before].zero_()
+    out[:, before + n :].zero_()
+    out[:, before : before + n].copy_(x)
+    return out
+
+
+def _q_view(x, block: int):
+    H, L, D = x.shape
+    return x.as_strided((L // block, H, block, D), (block * D, L * D, D, 1))
+
+
+def _k_view(x, block: int, span: int):
+    """Overlapping windows of `span` slots every `block` slots: [n_blocks, H, span, D], a view (no copy)."""
+    H, L, D = x.shape
+    return x.as_strided(((L - span) // block + 1, H, span, D), (block * D, L * D, D, 1))
+
+
+def _mask_for(mask, b: int, H: int):
+    m = mask[b if mask.shape[0] > 1 else 0]  # [nb, 1, block, span]
+    return m.expand(m.shape[0], H, m.shape[2], m.shape[3])
+
+
+def _fold_spans(g, block: int, L: int):
+    """Sum overlapping span gradients [nb, H, span, D] back into [H, L, D] with one strided add per block offset."""
+    nb, H, span, D = g.shape
+    chunks = math.ceil(span / block)
+    out = g.new_empty(H, (nb + chunks) * block, D)
+    out[:, nb * block :].zero_()
+    out[:, : nb * block].view(H, nb, block, D).copy_(g[:, :, :block].transpose(0, 1))  # offset 0 covers every row once
+    for c in range(1, chunks):
+        c0, c1 = c * block, min(span, (c + 1) * block)
+        out[:, c0 : c0 + nb * block].view(H, nb, block, D)[:, :, : c1 - c0] += g[:, :, c0:c1].transpose(0, 1)
+    return out[:, :L]
+
+
+def _banded_sdpa_autograd(q, k, v, mask, left: int, right: int, block: int, scale):
+    B, H, n, D = q.shape
+    nb = math.ceil(n / block)
+    span, Lq, Lk = block + left + right, nb * block, nb * block + left + right
+    outs = []
+    for b in range(B):
+        kb = F.pad(k[b], (0, 0, left, Lk - n - left)).unfold(1, span, block).permute(1, 0, 3, 2)
+        vb = F.pad(v[b], (0, 0, left, Lk - n - left)).unfold(1, span, block).permute(1, 0, 3, 2)
+        qb = F.pad(q[b], (0, 0, 0, Lq - n)).view(H, nb, block, D).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=_mask_for(mask, b, H), scale=scale)
+        outs.append(o.transpose(0, 1).reshape(H, Lq, D)[:, :n])
+    return torch.stack(outs)
 
 
 def torch_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None, block: int | None = None):
     B, Hq, n, D = q.shape
     Hkv = k.shape[1]
     left, right = min(left, n - 1), min(right, n - 1)  # a band wider than the sequence is the whole sequence
-    if Hq != Hkv:  # SDPA's CPU flash path has no GQA: expand here (the fused Triton kernel never does)
+    if Hq != Hkv:  # the fused CPU kernel has no GQA: expand here (the Triton kernel never does)
         k = k.repeat_interleave(Hq // Hkv, dim=1)
         v = v.repeat_interleave(Hq // Hkv, dim=1)
     if perm is not None:
-        q, k, v = (gather_rows(t, perm) for t in (q, k, v))
+        perm = perm.to(q.device, torch.long)
+        inv = inverse_permutation(perm)
+        q, k, v = (_PermuteRows.apply(t, perm, inv) for t in (q, k, v))
     block = block or _block_size(n, left, right)
     n_blocks = math.ceil(n / block)
-    pos = storage_positions(perm, n, q.device)
-    mask = _block_masks(pos, n, left, right, block, n_blocks)
-    if mask.shape[0] != B * n_blocks:  # one order shared by the batch
-        mask = mask.repeat(B, 1, 1, 1)
-    qb = F.pad(q, (0, 0, 0, n_blocks * block - n)).view(B, Hq, n_blocks, block, D)
-    qb = qb.transpose(1, 2).reshape(B * n_blocks, Hq, block, D)
-    out = F.scaled_dot_product_attention(qb, _spans(k, left, right, block, n_blocks),
-                                         _spans(v, left, right, block, n_blocks), attn_mask=mask, scale=scale)
-    out = out.view(B, n_blocks, Hq, block, D).transpose(1, 2).reshape(B, Hq, n_blocks * block, D)[:, :, :n]
-    return out if perm is None else scatter_rows(out, perm)
+    mask = _block_masks(storage_positions(perm, n, q.device), n, left, right, block, n_blocks, q.dtype)
+    if q.device.type == "cpu":
+        out = _BandedSDPA.apply(q, k, v, mask, left, right, block, scale)
+    else:  # other devices: the same layout through the public SDPA and autograd (the Triton backend is faster there)
+        out = _banded_sdpa_autograd(q, k, v, mask, left, right, block, scale)
+    return out if perm is None else _PermuteRows.apply(out, inv, perm)
