@@ -1,0 +1,236 @@
+"""lm-evaluation-harness on a pretrained HF model patched with SWA / SA / MoBA at prefill (paper section 6).
+
+    from hf.lm_eval_runner import evaluate_hf
+    results = evaluate_hf("Qwen/Qwen3-8B", "sa", 128, ["boolq", "arc_easy"], batch_size=16, limit=None,
+                          device="cuda", seed=0, dtype="bfloat16", data_dir="/work/shared/evaldata")
+
+The w_eff sweep of the paper (loads the model once, re-patches it per configuration, one JSON per configuration):
+
+    python -m hf.lm_eval_runner --model Qwen/Qwen3-8B --kinds full,swa,sa,moba --windows 16,32,64,128,256,512 \
+        --tasks mmlu,boolq,hellaswag,lambada_openai,arc_easy,arc_challenge --data_dir /work/shared/evaldata \
+        --dtype bfloat16 --batch_size 16 --out runs/hf_eval/qwen3_8b_weff
+
+The model class is lm-eval's own HFLM (`pretrained=<patched model object>, tokenizer=...`), subclassed only to hand
+the model an attention mask for SA: HFLM right-pads a batch and calls the model without a mask, which is harmless
+for causal full / SWA / MoBA attention (a real token never sees the pads after it) but would let SA's pi spread the
+pads among the real tokens, so a score would depend on the batch it lands in. The subclass records the row lengths
+HFLM pads (lm_eval.models.huggingface.pad_and_concat) and passes the matching attention mask: pi then permutes only
+the real tokens of each row (hf/attention.py), and a score is the same alone or in any batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# The accuracy the paper's table reports per task (acc_norm where lm-eval's literature uses it).
+PRIMARY_METRIC = {"hellaswag": "acc_norm", "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "piqa": "acc_norm",
+                  "openbookqa": "acc_norm"}
+PAPER_TASKS = ("mmlu", "boolq", "hellaswag", "lambada_openai", "arc_easy", "arc_challenge")
+PAPER_WINDOWS = (16, 32, 64, 128, 256, 512)
+
+
+class _PadLengths:
+    """Lengths of the rows of the last batch HFLM padded (set by the wrapped pad_and_concat)."""
+
+    lengths: list[int] | None = None
+    side: str | None = None
+
+
+@contextlib.contextmanager
+def _record_padding(state: _PadLengths):
+    import lm_eval.models.huggingface as hflm_module
+
+    original = getattr(hflm_module, "pad_and_concat", None)
+    if original is None:  # pragma: no cover - another lm-eval layout
+        log.warning("lm_eval.models.huggingface.pad_and_concat not found: SA scores of padded rows may depend on "
+                    "the batch; use batch_size=1 for exact SA scores")
+        yield
+        return
+
+    def recording_pad_and_concat(max_length, tensors, padding_side="right"):
+        state.lengths = [int(t.shape[-1]) for t in tensors]
+        state.side = padding_side
+        return original(max_length, tensors, padding_side=padding_side)
+
+    hflm_module.pad_and_concat = recording_pad_and_concat
+    try:
+        yield
+    finally:
+        hflm_module.pad_and_concat = original
+
+
+def make_lm(model, tokenizer, batch_size=8, max_length: int | None = None, pad_state: _PadLengths | None = None):
+    """lm-eval's HFLM around a patched model; with pad_state, padded batches get their attention mask (for SA)."""
+    from lm_eval.models.huggingface import HFLM
+
+    class PrefillHFLM(HFLM):
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            lengths = pad_state.lengths if pad_state is not None else None
+            if pad_state is not None:
+                pad_state.lengths = None
+            if (attn_mask is None and labels is None and lengths is not None and len(lengths) == inps.shape[0]
+                    and max(lengths) == inps.shape[1] and min(lengths) < inps.shape[1]):
+                n = inps.shape[1]
+                lens = torch.tensor(lengths, device=inps.device)[:, None]
+                pos = torch.arange(n, device=inps.device)[None, :]
+                mask = (pos < lens) if pad_state.side == "right" else (pos >= n - lens)
+                with torch.no_grad(), torch.autocast(device_type=self.device.type,
+                                                     dtype=getattr(self, "mixed_precision_dtype", None),
+                                                     enabled=getattr(self, "mixed_precision_dtype", None) is not None):
+                    return self.model(inps, attention_mask=mask.long()).logits
+            return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+
+    kwargs = {} if max_length is None else {"max_length": int(max_length)}
+    return PrefillHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
+
+
+def _task_setup(tasks, data_dir, task_manager):
+    """(task list for lm-eval, TaskManager, skipped {task: why})."""
+    from lm_eval.tasks import TaskManager
+
+    tasks = list(tasks)
+    if task_manager is not None:
+        return tasks, task_manager, {}
+    names = [t for t in tasks if isinstance(t, str)]
+    if data_dir is not None and names:
+        from evaluation.runner import plan_tasks  # offline task definitions of this repository (eval.data_dir)
+
+        plan = plan_tasks(names, data_dir)
+        for note in plan.notes:
+            log.info("eval: %s", note)
+        return plan.run + [t for t in tasks if not isinstance(t, str)], plan.task_manager, plan.skipped
+    # Only task dicts: don't index lm-eval's ~15k built-in tasks (~14 s).
+    return tasks, TaskManager(include_defaults=bool(names)), {}
+
+
+def evaluate_hf(model_name_or_path, kind: str, window: int | None, tasks_or_task_dicts, batch_size=8, limit=None,
+                device: str | None = "auto", seed: int = 0, *, dtype="auto", backend: str = "auto",
+                moba_top_k: int = 2, data_dir=None, task_manager=None, max_length: int | None = None,
+                num_fewshot: int | None = None, bootstrap_iters: int = 1000, model=None, tokenizer=None,
+                log_samples: bool = False) -> dict:
+    """Run lm-eval's HFLM on `model_name_or_path` with `kind` (full|swa|sa|moba) at w_eff=`window` during prefill.
+
+    tasks_or_task_dicts: lm-eval task names and/or task config dicts. data_dir: a folder in the layout of
+    shared/evaldata (task names are then served offline through evaluation.runner.plan_tasks); task_manager: an
+    explicit lm_eval TaskManager instead. model / tokenizer: an already loaded model (re-patched here) to skip
+    loading. Returns lm-eval's results dict (without per-sample logs unless log_samples) plus
+    "sa_prefill" (the settings), "model", "skipped" and "seconds".
+    """
+    import lm_eval
+
+    from hf.patch import load_hf_model, patch_model
+
+    started = time.time()
+    if model is None:
+        model, tokenizer = load_hf_model(model_name_or_path, kind, window, seed=seed, backend=backend, dtype=dtype,
+                                         device=device, moba_top_k=moba_top_k)
+    else:
+        if tokenizer is None:
+            raise ValueError("evaluate_hf(model=...) needs tokenizer= too")
+        patch_model(model.eval(), kind, window, seed=seed, backend=backend, moba_top_k=moba_top_k)
+    run, manager, skipped = _task_setup(tasks_or_task_dicts, data_dir, task_manager)
+    for task, why in skipped.items():
+        log.warning("eval: skipping %s (%s)", task, why)
+    pad_state = _PadLengths()
+    lm = make_lm(model, tokenizer, batch_size=batch_size, max_length=max_length,
+                 pad_state=pad_state if kind == "sa" else None)
+    results = {}
+    if run:
+        with _record_padding(pad_state) if kind == "sa" else contextlib.nullcontext():
+            results = lm_eval.simple_evaluate(model=lm, tasks=run, task_manager=manager, limit=limit,
+                                              num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
+                                              log_samples=log_samples) or {}
+        if not log_samples:
+            results.pop("samples", None)
+    results["sa_prefill"] = model.sa_prefill.as_dict()
+    results["model"] = str(model_name_or_path)
+    results["skipped"] = skipped
+    results["seconds"] = time.time() - started
+    return results
+
+
+def primary_scores(results: dict) -> dict[str, float]:
+    """{task: accuracy in %} with the metric the paper reports per task (acc_norm for HellaSwag/ARC, else acc)."""
+    scores = {}
+    for task, metrics in (results.get("results") or {}).items():
+        metric = PRIMARY_METRIC.get(task, "acc")
+        value = metrics.get(f"{metric},none")
+        if isinstance(value, (int, float)):
+            scores[task] = 100.0 * float(value)
+    return scores
+
+
+def sweep(model_name_or_path, kinds, windows, tasks, out_dir, **kwargs) -> list[dict]:
+    """Load once; evaluate every (kind, window) (full once); one JSON per configuration + summary.md in out_dir."""
+    from hf.patch import load_hf_model
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    load_kwargs = {k: kwargs[k] for k in ("seed", "backend", "dtype", "device", "moba_top_k") if k in kwargs}
+    model, tokenizer = load_hf_model(model_name_or_path, "full", None, **load_kwargs)
+    configs = [("full", None)] if "full" in kinds else []
+    configs += [(kind, int(w)) for kind in kinds if kind != "full" for w in windows]
+    rows = []
+    for kind, window in configs:
+        name = kind if window is None else f"{kind}_w{window}"
+        path = out / f"{name}.json"
+        if path.exists():  # resumable: a finished configuration is not run again
+            results = json.loads(path.read_text())
+        else:
+            results = evaluate_hf(model_name_or_path, kind, window, tasks, model=model, tokenizer=tokenizer, **kwargs)
+            from lm_eval.utils import handle_non_serializable
+
+            path.write_text(json.dumps(results, indent=1, default=handle_non_serializable))
+        scores = primary_scores(results)
+        shown = [t for t in tasks if isinstance(t, str)]
+        avg = sum(scores[t] for t in shown if t in scores) / max(1, sum(t in scores for t in shown))
+        rows.append({"config": name, "kind": kind, "window": window, "scores": scores, "avg": avg})
+        print(f"{name:>12}  avg {avg:6.2f}  " + "  ".join(f"{t} {scores.get(t, float('nan')):.1f}" for t in shown),
+              flush=True)
+    header = "| config | " + " | ".join(str(t) for t in tasks) + " | Avg |\n|---|" + "---|" * (len(tasks) + 1) + "\n"
+    lines = [f"| {r['config']} | " + " | ".join(f"{r['scores'].get(t, float('nan')):.1f}" for t in tasks)
+             + f" | {r['avg']:.1f} |" for r in rows]
+    (out / "summary.md").write_text(f"{model_name_or_path}, w_eff sweep (prefill pattern; decode full)\n\n"
+                                    + header + "\n".join(lines) + "\n")
+    (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="lm-eval on a HF model with SWA / SA / MoBA at prefill (w_eff sweep)")
+    p.add_argument("--model", required=True, help="hub name or local folder")
+    p.add_argument("--kinds", default="full,swa,sa,moba")
+    p.add_argument("--windows", default=",".join(map(str, PAPER_WINDOWS)))
+    p.add_argument("--tasks", default=",".join(PAPER_TASKS))
+    p.add_argument("--data_dir", default=None, help="offline task data (layout of shared/evaldata)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--batch_size", default="8")
+    p.add_argument("--limit", type=float, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--max_length", type=int, default=None)
+    p.add_argument("--bootstrap_iters", type=int, default=1000)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    limit = None if a.limit is None else (int(a.limit) if a.limit >= 1 else a.limit)
+    batch = a.batch_size if a.batch_size == "auto" else int(a.batch_size)
+    sweep(a.model, a.kinds.split(","), [int(w) for w in a.windows.split(",")], a.tasks.split(","), a.out,
+          batch_size=batch, limit=limit, device=a.device, seed=a.seed, dtype=a.dtype, backend=a.backend,
+          data_dir=a.data_dir, max_length=a.max_length, bootstrap_iters=a.bootstrap_iters)
+
+
+if __name__ == "__main__":
+    main()

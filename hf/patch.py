@@ -1,0 +1,111 @@
+"""Switch a HuggingFace causal LM to SWA / SA / MoBA at prefill without touching its weights or its model files.
+
+    from hf import load_hf_model, patch_model
+    model, tok = load_hf_model("Qwen/Qwen3-8B", kind="sa", window=128, seed=0, dtype="bfloat16")
+    patch_model(model, kind="moba", window=256)     # re-patch in place (any kind, any window)
+    unpatch_model(model)                            # back to transformers' sdpa
+
+The attention function is registered in transformers' AttentionInterface (and transformers' sdpa mask builder in
+AttentionMaskInterface) under the name "sa_prefill"; the model's config selects it (model.set_attn_implementation).
+Works for every model whose attention layers go through the AttentionInterface and carry `layer_idx` (Llama, Qwen2,
+Qwen3, Qwen3-MoE, Mistral without sliding window, ...).
+"""
+
+from __future__ import annotations
+
+from hf.attention import ATTN_NAME, PrefillSettings, sa_prefill_attention
+
+
+def register(name: str = ATTN_NAME) -> None:
+    """Register sa_prefill_attention (and the sdpa mask builder, so padding reaches it) under `name`. Idempotent."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, sa_prefill_attention)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:  # pragma: no cover - transformers without masking_utils: masks arrive as built by the model
+        return
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def _set_attn_implementation(model, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        try:
+            model.set_attn_implementation(name)
+        except (ValueError, KeyError, ImportError):  # pragma: no cover - older versions validate names strictly
+            pass
+    if getattr(model.config, "_attn_implementation", None) != name:  # e.g. remote-code models: set it directly
+        model.config._attn_implementation = name
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if config is not None and config is not model.config and hasattr(config, "_attn_implementation"):
+                config._attn_implementation = name
+
+
+def patch_model(model, kind: str, window: int | None = None, seed: int = 0, backend: str = "auto",
+                moba_top_k: int = 2):
+    """Make `model` use `kind` (full | swa | sa | moba) with w_eff=`window` at prefill; decoding stays full.
+
+    Stores a PrefillSettings on every attention module (the modules with `layer_idx`) and on the model
+    (`model.sa_prefill`), registers the attention function and selects it. Returns the model (patched in place).
+    """
+    settings = PrefillSettings(kind=kind, window=None if window is None else int(window), seed=int(seed),
+                               backend=backend, moba_top_k=int(moba_top_k))
+    register()
+    layers = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
+    if not layers:
+        layers = [m for m in model.modules() if hasattr(m, "layer_idx")]
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: no attention modules with `layer_idx` found; not supported")
+    for module in layers:
+        module.sa_prefill = settings
+    model.sa_prefill = settings
+    _set_attn_implementation(model, ATTN_NAME)
+    return model
+
+
+def unpatch_model(model, attn_implementation: str = "sdpa"):
+    """Back to a stock attention implementation (the settings stay on the modules but are not used)."""
+    _set_attn_implementation(model, attn_implementation)
+    model.sa_prefill = None
+    return model
+
+
+def resolve_device(device: str | None) -> str:
+    import torch
+
+    if device in (None, "", "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(device)
+
+
+def _dtype(dtype):
+    import torch
+
+    if dtype in (None, "auto") or isinstance(dtype, torch.dtype):
+        return dtype or "auto"
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be auto or one of {sorted(names)}, got {dtype!r}")
+    return names[dtype]
+
+
+def load_hf_model(name_or_path: str, kind: str = "full", window: int | None = None, seed: int = 0,
+                  backend: str = "auto", dtype="auto", device: str | None = "auto", moba_top_k: int = 2,
+                  **from_pretrained_kwargs):
+    """(model, tokenizer): AutoModelForCausalLM + AutoTokenizer from a hub name or a local folder, patched, eval mode.
+
+    dtype: auto (the checkpoint's) | float32 | bfloat16 | float16. device: auto (cuda if available) | cpu | cuda[:i].
+    Extra keyword arguments go to from_pretrained (revision=, trust_remote_code=, ...).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    register()
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_dtype(dtype), attn_implementation="sdpa",
+                                                 **from_pretrained_kwargs)
+    model.to(resolve_device(device)).eval()
+    patch_model(model, kind, window, seed=seed, backend=backend, moba_top_k=moba_top_k)
+    tokenizer = AutoTokenizer.from_pretrained(
+        name_or_path, **{k: v for k, v in from_pretrained_kwargs.items() if k in ("revision", "trust_remote_code")})
+    return model, tokenizer

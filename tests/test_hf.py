@@ -1,0 +1,300 @@
+"""Training-free SWA / SA / MoBA at prefill on HuggingFace models (hf/): tiny random Qwen3 and Llama from configs.
+
+Needs the `hf` extra (transformers); skipped without it. No weights are downloaded.
+"""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers.models.llama.modeling_llama import eager_attention_forward  # noqa: E402
+
+from hf import load_hf_model, patch_model, unpatch_model  # noqa: E402
+from hf.attention import sequence_layout  # noqa: E402
+from kernels import default_band  # noqa: E402
+from kernels.moba import moba_mask  # noqa: E402
+from kernels.naive import band_mask  # noqa: E402
+from model.permutation import PermutationSampler  # noqa: E402
+
+V, N = 101, 24  # vocabulary, sequence length of most tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread (two threads only add sync overhead, badly so on a loaded machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tiny(arch: str, vocab: int = V):
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,
+                  attn_implementation="sdpa")
+    if arch == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**common)).eval()
+    return LlamaForCausalLM(LlamaConfig(**common)).eval()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def tiny(request):
+    return _tiny(request.param)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, V, (2, N), generator=torch.Generator().manual_seed(1))
+
+
+def _logits(model, ids, kind=None, window=None, attention_mask=None, **kw):
+    if kind is None:
+        unpatch_model(model)
+    else:
+        patch_model(model, kind, window, **kw)
+    with torch.no_grad():
+        return model(ids, attention_mask=attention_mask).logits
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+# ---- a dense reference: the model's own eager attention with a per-layer boolean mask in original order ----------
+
+_REFERENCE_MASK = {}
+
+
+def _dense_reference(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    allowed = _REFERENCE_MASK["fn"](module.layer_idx, query, key)  # [n, n] or [B, H, n, n], True = attend
+    allowed = allowed if allowed.dim() == 4 else allowed[None, None]
+    additive = torch.zeros(allowed.shape, dtype=query.dtype).masked_fill(~allowed, torch.finfo(query.dtype).min)
+    return eager_attention_forward(module, query, key, value, additive, scaling=scaling, dropout=0.0)
+
+
+AttentionInterface.register("test_dense_reference", _dense_reference)
+
+
+def _reference_logits(model, ids, mask_fn):
+    _REFERENCE_MASK["fn"] = mask_fn
+    model.set_attn_implementation("test_dense_reference")
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _sa_mask(seed, window):
+    left, right = default_band(window, permuted=True)
+
+    def fn(layer, query, key):
+        n = query.shape[2]
+        pi = PermutationSampler(eval_seed=seed).sample(layer, n, query.shape[0], training=False)
+        slot_mask = band_mask(pi, left, right)  # [slot i, slot j]
+        allowed = torch.zeros(n, n, dtype=torch.bool)
+        allowed[pi[:, None], pi[None, :]] = slot_mask  # -> [token pi[i], token pi[j]]
+        return allowed
+
+    return fn
+
+
+# ------------------------------------------------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("kind,window", [("full", None), ("swa", N), ("swa", 4 * N), ("sa", 2 * N), ("moba", N),
+                                         ("moba", 2 * N)])
+def test_wide_window_reproduces_the_model(tiny, ids, kind, window):
+    """w_eff covering the sequence = the model's own logits. (SA's band is symmetric around a slot: w >= 2n - 1;
+    MoBA: blocks of w/2, top 2, so w >= n with w even.)"""
+    _close(_logits(tiny, ids, kind, window), _logits(tiny, ids))
+
+
+@pytest.mark.parametrize("kind", ["swa", "sa", "moba"])
+def test_small_window_changes_the_logits(tiny, ids, kind):
+    assert (_logits(tiny, ids, kind, 4) - _logits(tiny, ids)).abs().max() > 1e-2
+
+
+def test_swa_matches_explicit_sliding_window_mask(tiny, ids):
+    """SWA(w) = the model run through eager attention with an explicit 4D additive sliding-window mask."""
+    w = 5
+    t = torch.arange(N)
+    allowed = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < w)
+    additive = torch.zeros(1, 1, N, N).masked_fill(~allowed, torch.finfo(torch.float32).min).expand(2, 1, N, N)
+    tiny.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = tiny(ids, attention_mask=additive).logits
+    _close(_logits(tiny, ids, "swa", w), ref)
+
+
+@pytest.mark.parametrize("window", [4, 7])
+def test_sa_matches_its_dense_reference_and_is_deterministic(tiny, ids, window):
+    out = _logits(tiny, ids, "sa", window, seed=3)
+    _close(_logits(tiny, ids, "sa", window, seed=3), out)  # same seed: same pi per layer, same logits
+    assert (_logits(tiny, ids, "sa", window, seed=4) - out).abs().max() > 1e-3  # another seed: another pi
+    _close(_logits(tiny, ids, "sa", window, seed=3, backend="naive"), out)  # kernels.naive_banded_attention
+    _close(_reference_logits(tiny, ids, _sa_mask(3, window)), out)  # eager attention with pi's mask per layer
+
+
+def test_moba_matches_its_dense_reference(tiny, ids):
+    out = _logits(tiny, ids, "moba", 6)
+    ref = _reference_logits(tiny, ids, lambda layer, q, k: moba_mask(q, k, 3, 2))
+    _close(out, ref)
+
+
+@pytest.mark.parametrize("kind", ["swa", "sa", "moba"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_does_not_change_a_sequence(tiny, ids, kind, side):
+    """A short sequence padded in a batch scores as it does alone (SA: pi over its real tokens only)."""
+    L = 15
+    short = ids[1:, :L]
+    padded = torch.full((1, N), 0, dtype=torch.long)
+    mask = torch.zeros(2, N, dtype=torch.long)
+    mask[0] = 1
+    if side == "right":
+        padded[0, :L], mask[1, :L] = short[0], 1
+    else:
+        padded[0, N - L:], mask[1, N - L:] = short[0], 1
+    batch = torch.cat([ids[:1], padded])
+    alone = _logits(tiny, short, kind, 4, seed=1)
+    both = _logits(tiny, batch, kind, 4, seed=1, attention_mask=mask)
+    real = slice(0, L) if side == "right" else slice(N - L, N)
+    _close(both[1, real], alone[0])
+    _close(both[0], _logits(tiny, ids[:1], kind, 4, seed=1)[0])
+
+
+@pytest.mark.parametrize("kind", ["swa", "sa"])
+def test_triton_backend_matches_torch(tiny, ids, kind):
+    """The fused Triton kernels (interpreter on CPU) on HF's q/k/v layouts, with right padding."""
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    ref = _logits(tiny, ids, kind, 5, attention_mask=mask, backend="torch")
+    _close(_logits(tiny, ids, kind, 5, attention_mask=mask, backend="triton"), ref)
+
+
+def test_sequence_layout_reads_and_refuses_masks():
+    pos = torch.arange(6)
+    causal = pos[None, :] <= pos[:, None]
+    valid = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    mask4d = (causal[None] & valid[:, None, :])[:, None]
+    starts, lengths = sequence_layout(mask4d, 2, 6)
+    assert starts.tolist() == [0, 0] and lengths == [4, 6]
+    assert sequence_layout(mask4d[1:].expand(2, 1, 6, 6).clone(), 2, 6) == (None, None)  # no padding
+    assert sequence_layout(None, 2, 6) == (None, None)
+    holes = torch.tensor([[1, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    with pytest.raises(ValueError, match="contiguous"):
+        sequence_layout(holes, 1, 6)
+    packed = causal.clone()
+    packed[3:, :3] = False  # two documents in one row
+    with pytest.raises(ValueError, match="causal"):
+        sequence_layout(packed[None, None], 1, 6)
+
+
+def test_errors_are_clear(tiny, ids):
+    with pytest.raises(ValueError, match="kind"):
+        patch_model(tiny, "nsa", 8)
+    with pytest.raises(ValueError, match="window"):
+        patch_model(tiny, "sa", None)
+    fresh = _tiny("llama")
+    fresh.set_attn_implementation("sa_prefill")  # registered, but the modules carry no settings
+    with pytest.raises(RuntimeError, match="patch_model"), torch.no_grad():
+        fresh(ids)
+
+
+@pytest.mark.parametrize("kind", ["swa", "sa", "moba"])
+def test_generation_prefill_patched_decode_full(tiny, ids, kind):
+    prompt = ids[:, :12]
+    unpatch_model(tiny)
+    expected = tiny.generate(prompt, max_new_tokens=6, do_sample=False)
+    patch_model(tiny, kind, 2 * 18)  # covers prompt + generated tokens: identical to the model
+    assert torch.equal(tiny.generate(prompt, max_new_tokens=6, do_sample=False), expected)
+    patch_model(tiny, kind, 3, seed=2)  # small window: runs; batch (left padded) = each prompt alone
+    short = prompt[1:, 3:]
+    batch = torch.cat([prompt[:1], torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    together = tiny.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(together[1, 12:], tiny.generate(short, max_new_tokens=6, do_sample=False)[0, 9:])
+
+
+# ---------------------------------------------------------------------------------------------- lm-eval, load path
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    """A tiny byte-level BPE tokenizer + a tiny Qwen3 of its vocabulary, saved like a hub checkpoint."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ("the cat dog sat on a mat red blue sky is sun hot cold water question answer yes no what color of "
+             "grass green snow white fire").split()
+    text = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(40)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<pad>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    model = _tiny("qwen3", vocab=tok.get_vocab_size())
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    folder = tmp_path_factory.mktemp("tiny_qwen3")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    rows = [{"question": f"what color is the {a}", "choices": ["green", "white", "red", "blue"], "answer": i % 4}
+            for i, a in enumerate(["grass", "snow", "fire", "sky", "sun", "water cold", "dog", "mat on the cat"])]
+    data = folder / "mc.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder, data
+
+
+def _task(data):
+    return {"task": "tiny_mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "Question: {{question}}\nAnswer:",
+            "doc_to_choice": "{{choices}}", "doc_to_target": "answer",
+            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+            "metadata": {"version": 1.0}}
+
+
+def test_load_hf_model_from_folder(saved_model):
+    folder, _ = saved_model
+    model, tokenizer = load_hf_model(str(folder), "sa", 8, seed=0, dtype="float32", device="cpu")
+    assert model.config._attn_implementation == "sa_prefill" and model.sa_prefill.kind == "sa"
+    enc = tokenizer(["the cat sat on the mat", "red sky"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model(**enc).logits
+    assert out.shape[:2] == enc["input_ids"].shape and torch.isfinite(out).all()
+
+
+def _loglikelihoods(results):
+    return [resp[0] for sample in results["samples"]["tiny_mc"] for resp in sample["filtered_resps"]]
+
+
+def test_lm_eval_runs_a_local_task_on_the_patched_model(saved_model):
+    """lm-eval's HFLM on the patched model; SA scores do not depend on the batch (padding is masked for pi)."""
+    from hf.lm_eval_runner import evaluate_hf, primary_scores
+
+    folder, data = saved_model
+    model, tokenizer = load_hf_model(str(folder), "full", None, dtype="float32", device="cpu")
+    common = dict(limit=None, device="cpu", seed=0, model=model, tokenizer=tokenizer, bootstrap_iters=0,
+                  log_samples=True)
+    sa1 = evaluate_hf(str(folder), "sa", 4, [_task(data)], batch_size=1, **common)
+    sa8 = evaluate_hf(str(folder), "sa", 4, [_task(data)], batch_size=8, **common)
+    assert sa1["sa_prefill"]["kind"] == "sa" and sa1["sa_prefill"]["window"] == 4
+    assert 0.0 <= primary_scores(sa1)["tiny_mc"] <= 100.0 and len(_loglikelihoods(sa1)) == 32
+    assert _loglikelihoods(sa8) == pytest.approx(_loglikelihoods(sa1), abs=1e-4)  # right-padded batches of 8
+    full = _loglikelihoods(evaluate_hf(str(folder), "full", None, [_task(data)], batch_size=8, **common))
+    assert full != pytest.approx(_loglikelihoods(sa1), abs=1e-2)
+    moba = evaluate_hf(str(folder), "moba", 64, [_task(data)], batch_size=8, **common)  # 2 blocks >= prompt: full
+    assert _loglikelihoods(moba) == pytest.approx(full, abs=1e-4)
+
+
+def test_hf_package_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['transformers'] = None; import hf, hf.attention, hf.patch, hf.lm_eval_runner; "
+            "assert hf.PrefillSettings('sa', 8).window == 8")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("conftest").ROOT))
