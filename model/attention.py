@@ -58,6 +58,10 @@ class Attention(nn.Module):
             y = full_causal_attention(q, k, v, backend)
         elif kind == "swa":
             y = banded_attention(q, k, v, w, backend=backend)
+        elif kind == "moba":  # baseline: top-2 key blocks of w/2 by q . mean(K_block), own block always on
+            from kernels.moba import moba_attention
+
+            y = moba_attention(q, k, v, block_size=max(1, w // 2), top_k=2)
         elif kind == "sa":
             y = banded_attention(q, k, v, w, perm=self._perm(n, B, lengths, x.device), backend=backend)
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-ATTENTION_KINDS = ("full", "swa", "sa", "gated_sa_swa")
+ATTENTION_KINDS = ("full", "swa", "sa", "gated_sa_swa", "moba")
 BACKENDS = ("auto", "torch", "triton", "flex", "naive")
 
 

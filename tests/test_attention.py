@@ -191,7 +191,7 @@ def test_permutations_are_seeded_per_layer_step_and_rank():
         assert torch.equal(p.sort().values, torch.arange(50))
 
 
-@pytest.mark.parametrize("kind", ["full", "swa", "sa", "gated_sa_swa"])
+@pytest.mark.parametrize("kind", ["full", "swa", "sa", "gated_sa_swa", "moba"])
 def test_padding_does_not_change_a_sequence(kind):
     torch.manual_seed(0)
     dec = Decoder(ModelConfig(vocab_size=50, n_layers=2, d_model=32, n_heads=2, max_seq_len=40),
