@@ -37,6 +37,9 @@ def check_config(cfg: DictConfig):
         raise ConfigError("data.batch_size", cfg.data.batch_size, "must be a positive integer")
     if cfg.trainer.strategy not in ("auto", "ddp", "fsdp", "ddp_spawn"):
         raise ConfigError("trainer.strategy", cfg.trainer.strategy, "choose auto, ddp, fsdp or ddp_spawn")
+    from tools.guards import refuse_multirun_ddp
+
+    refuse_multirun_ddp(cfg)  # Hydra multirun + subprocess DDP re-runs the sweep on every rank: refuse up front
     if cfg.resume not in (None, "auto"):
         raise ConfigError("resume", cfg.resume, "use resume=auto, or ckpt_path=<file> for a specific checkpoint")
     if cfg.ckpt_path and not Path(cfg.ckpt_path).is_file():
@@ -176,15 +179,38 @@ def train(cfg: DictConfig) -> dict:
         trainer.validate(module, datamodule=datamodule, verbose=False) if ckpt is None else None
         start_loss = trainer.callback_metrics.get("val/loss")
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        if start_loss is not None:
+            metrics["val/loss_at_start"] = float(start_loss)
+        if trainer.is_global_zero and cfg.get("eval") and cfg.eval.after_train:
+            metrics.update(_evaluate_after_training(cfg, ckpt_dir / "last.ckpt", run_dir, loggers, trainer, console))
         ok = True
     finally:
         _finish_wandb(ok)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    if start_loss is not None:
-        metrics["val/loss_at_start"] = float(start_loss)
     if trainer.is_global_zero:
         _summary(console, run_dir, ckpt_dir, metrics, loggers)
     return metrics
+
+
+def _evaluate_after_training(cfg, ckpt: Path, run_dir: Path, loggers, trainer, console) -> dict:
+    """Score the final checkpoint on the configured suite; log the numbers to W&B and the CSV like training metrics."""
+    from evaluation.runner import evaluate_checkpoint
+
+    eval_cfg = OmegaConf.to_container(cfg.eval, resolve=True)
+    summary = evaluate_checkpoint(ckpt, eval_cfg, None, run_dir / "eval" / eval_cfg.get("name", "suite"),
+                                  log=lambda msg: console.print(msg, markup=False))
+    scores = {f"eval/{r['task']}/{r['metric']}": float(r["value"]) for r in summary["results"]
+              if isinstance(r.get("value"), (int, float))}
+    if scores:
+        for lg in loggers:
+            lg.log_metrics(scores, step=trainer.global_step)
+            lg.save()
+        console.print(summary["table"], markup=False)
+    else:
+        val = trainer.callback_metrics.get("val/ppl")
+        console.print(f"eval: no suite data reachable; held-out perplexity on the training corpus: "
+                      f"{float(val):.2f}" if val is not None else "eval: no suite data reachable", markup=False)
+    return scores
 
 
 def _finish_wandb(ok: bool):
@@ -203,6 +229,8 @@ def _summary(console, run_dir: Path, ckpt_dir: Path, metrics: dict, loggers):
     for lg in loggers:
         if type(lg).__name__ == "WandbLogger":
             lines.append(f"W&B run       : {run_dir / 'wandb'} (offline runs upload with `wandb sync <dir>`)")
+    if (run_dir / "eval").is_dir():
+        lines.append(f"evaluation    : {run_dir / 'eval'}")
     if "val/loss_at_start" in metrics and "val/loss" in metrics:
         lines.append(f"val loss      : {metrics['val/loss_at_start']:.3f} -> {metrics['val/loss']:.3f}")
     console.print("\n".join(lines))

@@ -1,0 +1,235 @@
+"""Evaluate a checkpoint on the synthetic long-range probes (data/probes.py): accuracy by distance bucket.
+
+    python -m analysis.probe_eval ckpt=runs/probes_cpu/multirun/<date>/2_sa_w32_s0
+    python -m analysis.probe_eval ckpt=<file.ckpt> task=passkey num=300 buckets=6 attention.window=64
+
+Prompts are generated in TOKEN units of the checkpoint's own tokenizer: as long as the run's training documents
+when it trained on data=probes, else as long as the context allows (the model's max_seq_len; context=<tokens> sets
+it), with the needed item at a uniformly drawn distance. An answer counts as correct when the model's greedy
+(argmax) prediction at every answer position equals the expected token, i.e. greedy decoding reproduces the value;
+all positions are scored in one teacher-forced forward pass over prompt + answer (for SA: under the eval-mode
+permutation of that length, rather than a fresh one per decoding step), and padded batches carry their lengths (SA
+permutes only real tokens, so batching changes nothing).
+Distances are re-measured on the final token sequence; "beyond SWA" marks items further back than n_layers*(w-1),
+the reach of an SWA stack with this checkpoint's depth and window.
+
+Defaults for task, filler, pairs and the prompt length (the training documents' length in tokens) come from the run's
+config.yaml when it trained on data=probes. Results go to
+<run dir>/eval/probes/results.json and results.md (tools.compare picks them up), or to out=<dir>.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+DEFAULTS = {"ckpt": None, "task": "kv,passkey", "num": 200, "num_pairs": 8, "filler": "sentences", "seed": 1234,
+            "context": None, "min_distance": None, "max_distance": None, "buckets": 8, "batch_size": 8,
+            "device": "cpu", "out": None}
+ATTENTION_KEYS = ("kind", "window", "backend", "eval_seed")
+
+
+INT_KEYS = ("num", "num_pairs", "seed", "context", "min_distance", "max_distance", "buckets", "batch_size")
+
+
+def parse_args(argv: list[str]) -> tuple[dict, dict]:
+    """key=value arguments -> (the keys given, attention overrides)."""
+    given, attention = {}, {}
+    for arg in argv:
+        if "=" not in arg:
+            raise SystemExit(f"error: arguments are key=value, got {arg!r} (keys: {sorted(DEFAULTS)}, "
+                             f"attention.{{{','.join(ATTENTION_KEYS)}}})")
+        key, value = arg.split("=", 1)
+        if key.startswith("attention."):
+            sub = key.split(".", 1)[1]
+            if sub not in ATTENTION_KEYS:
+                raise SystemExit(f"error: unknown key {key!r}; attention overrides: {ATTENTION_KEYS}")
+            attention[sub] = int(value) if sub in ("window", "eval_seed") else value
+        elif key in DEFAULTS:
+            given[key] = None if value in ("null", "None") else (int(value) if key in INT_KEYS else value)
+        else:
+            raise SystemExit(f"error: unknown key {key!r}; known: {sorted(DEFAULTS)}")
+    if not given.get("ckpt"):
+        raise SystemExit("error: ckpt=<run dir or .ckpt file> is required")
+    return given, attention
+
+
+def run_dir_of(ckpt: Path) -> Path | None:
+    """The training run a checkpoint belongs to (the folder holding config.yaml), if any."""
+    for folder in (ckpt, ckpt.parent, ckpt.parent.parent):
+        if folder.is_dir() and (folder / "config.yaml").is_file():
+            return folder
+    return None
+
+
+def trained_probe_defaults(run_dir: Path | None) -> dict:
+    if run_dir is None:
+        return {}
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    probes = cfg.data.get("probes") if "data" in cfg else None
+    if not probes:
+        return {}
+    return {k: probes[k] for k in ("task", "filler", "num_pairs", "length") if k in probes}
+
+
+def trained_context(tokenizer, trained: dict, max_seq_len: int) -> int:
+    """Token length of the documents the run trained on (their `length` is in characters), capped by the model."""
+    from data.probes import ProbeSpec, make_probe
+
+    spec = ProbeSpec(task=str(trained.get("task", "kv")).split(",")[0], length=int(trained["length"]),
+                     num_pairs=int(trained.get("num_pairs", 8)), filler=trained.get("filler", "sentences"))
+    tokens = max(len(tokenizer.encode(make_probe(spec, i).prompt).ids) for i in range(8))
+    return min(max_seq_len, tokens + 8)
+
+
+def build_examples(tokenizer, task: str, num: int, context: int, seed: int, num_pairs: int, filler: str,
+                   min_distance=None, max_distance=None):
+    """(prompt ids, answer ids, measured token distance) for `num` probes that fit in `context` tokens."""
+    from data.probes import ProbeSpec, TokenUnits, make_probe
+
+    units = TokenUnits(tokenizer)
+    margin = 8  # answer tokens + slack for merges at piece boundaries
+    spec = ProbeSpec(task=task, length=context - margin, num_pairs=num_pairs, filler=filler, seed=seed,
+                     min_distance=min_distance, max_distance=max_distance)
+    examples, index = [], 0
+    while len(examples) < num and index < 3 * num:
+        probe = make_probe(spec, index, units)
+        index += 1
+        enc = tokenizer.encode(probe.prompt + probe.answer)
+        n_prompt = sum(1 for start, _ in enc.offsets if start < len(probe.prompt))
+        ids = enc.ids
+        if len(ids) > context or n_prompt >= len(ids):
+            continue
+        examples.append((ids[:n_prompt], ids[n_prompt:], probe.distance))
+    return examples
+
+
+def score(model, examples, batch_size: int, pad_id: int, device) -> np.ndarray:
+    """1 where greedy prediction reproduces every answer token."""
+    import torch
+
+    correct = []
+    with torch.no_grad():
+        for b in range(0, len(examples), batch_size):
+            chunk = examples[b : b + batch_size]
+            seqs = [p + a[:-1] for p, a, _ in chunk]  # the last answer token is only a target
+            n = max(len(s) for s in seqs)
+            x = torch.full((len(seqs), n), pad_id, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                x[i, : len(s)] = torch.tensor(s)
+            lengths = torch.tensor([len(s) for s in seqs])
+            logits = model(x.to(device), lengths.to(device))
+            for i, (p, a, _) in enumerate(chunk):
+                pred = logits[i, len(p) - 1 : len(p) - 1 + len(a)].argmax(-1).cpu().tolist()
+                correct.append(pred == list(a))
+    return np.array(correct, dtype=bool)
+
+
+def bucketize(distances: np.ndarray, correct: np.ndarray, buckets: int, reach: float) -> list[dict]:
+    """Equal-width distance buckets, with one edge at the SWA reach so no bucket straddles it."""
+    hi = int(distances.max()) if len(distances) else 0
+    edges = np.linspace(0, hi + 1, buckets + 1).round().astype(int)
+    if math.isfinite(reach) and 0 < reach < hi:
+        edges = np.append(edges, int(reach) + 1)
+    edges = np.unique(edges)
+    rows = []
+    for lo, up in zip(edges[:-1], edges[1:]):
+        sel = (distances >= lo) & (distances < up)
+        if sel.any():
+            rows.append({"lo": int(lo), "hi": int(up - 1), "n": int(sel.sum()), "acc": float(correct[sel].mean()),
+                         "beyond_swa": bool(lo > reach)})
+    return rows
+
+
+def evaluate(given: dict, attention: dict | None = None, log=print) -> dict:
+    """Run the probes; `given` = the key=value settings given (DEFAULTS fill the rest, after the trained ones)."""
+    import torch
+
+    from model.checkpoint import find_checkpoint, load_checkpoint
+
+    started = time.time()
+    ckpt = find_checkpoint(given["ckpt"])
+    run_dir = run_dir_of(Path(given["ckpt"]))
+    trained = trained_probe_defaults(run_dir)
+    cfg = {**DEFAULTS, **{k: v for k, v in trained.items() if k != "length"}, **given}  # trained, unless given
+    loaded = load_checkpoint(ckpt, attention=attention or None, device=cfg["device"])
+    model, tok = loaded.model, loaded.tokenizer
+    mcfg, acfg = model.cfg, model.attn_cfg
+    if cfg["context"]:
+        context = int(cfg["context"])
+    elif "length" in trained:  # in distribution: prompts as long as the training documents
+        context = trained_context(tok, trained, mcfg.max_seq_len)
+        log(f"probe context {context} tokens (the run's training documents; context=<tokens> to change)")
+    else:
+        context = mcfg.max_seq_len
+    cfg["context"] = context
+    if context > mcfg.max_seq_len:
+        raise SystemExit(f"error: context={context} exceeds the model's max_seq_len={mcfg.max_seq_len}")
+    reach = math.inf if acfg.kind == "full" else mcfg.n_layers * (acfg.window - 1)
+    tasks = [t for t in str(cfg["task"]).split(",") if t]
+    summary = {"suite": "probes", "checkpoint": str(ckpt), "attention": {"kind": acfg.kind, "window": acfg.window,
+               "eval_seed": acfg.eval_seed}, "context": context, "swa_reach": mcfg.n_layers * (acfg.window - 1),
+               "settings": cfg, "results": [], "buckets": {}}
+    for task in tasks:
+        examples = build_examples(tok, task, int(cfg["num"]), context, int(cfg["seed"]), int(cfg["num_pairs"]),
+                                  cfg["filler"], cfg["min_distance"], cfg["max_distance"])
+        if not examples:
+            raise SystemExit(f"error: no {task} probe fits in {context} tokens")
+        correct = score(model, examples, int(cfg["batch_size"]), loaded.eos_id, torch.device(cfg["device"]))
+        distances = np.array([d for _, _, d in examples])
+        far = distances > reach
+        summary["results"] += [
+            {"task": f"probe_{task}", "metric": "acc", "value": float(correct.mean()), "n": int(len(correct))},
+            {"task": f"probe_{task}", "metric": "acc_beyond_swa",
+             "value": float(correct[far].mean()) if far.any() else None, "n": int(far.sum())},
+            {"task": f"probe_{task}", "metric": "acc_within_swa",
+             "value": float(correct[~far].mean()) if (~far).any() else None, "n": int((~far).sum())}]
+        summary["buckets"][task] = bucketize(distances, correct, int(cfg["buckets"]), reach)
+        log(f"probe {task}: {correct.mean():.3f} over {len(correct)} examples")
+    summary["seconds"] = round(time.time() - started, 1)
+    return summary
+
+
+def markdown(summary: dict) -> str:
+    a = summary["attention"]
+    lines = [f"## Probes: {summary['checkpoint']}", "",
+             f"attention {a['kind']} (w={a['window']}, eval seed {a['eval_seed']}), context {summary['context']} "
+             f"tokens; SWA reach of this depth and window: {summary['swa_reach']} tokens. Accuracy = greedy answer "
+             "equals the expected value.", ""]
+    for r in summary["results"]:
+        if r["metric"] == "acc":
+            lines.append(f"- {r['task']}: {r['value']:.3f} ({r['n']} examples)")
+    for task, rows in summary["buckets"].items():
+        lines += ["", f"| {task}: token distance | examples | accuracy | beyond SWA reach |", "|---|---|---|---|"]
+        lines += [f"| {r['lo']}–{r['hi']} | {r['n']} | {r['acc']:.3f} | {'yes' if r['beyond_swa'] else 'no'} |"
+                  for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    given, attention = parse_args(list(sys.argv[1:] if argv is None else argv))
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    summary = evaluate(given, attention, log)
+    if given.get("out"):
+        out = Path(given["out"])
+    else:
+        run_dir = run_dir_of(Path(given["ckpt"]))
+        out = (run_dir / "eval" / "probes") if run_dir else Path("probe_eval")
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown(summary)
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    (out / "results.md").write_text(text)
+    print(text)
+    log(f"wrote {out / 'results.json'} and results.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

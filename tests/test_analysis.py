@@ -1,0 +1,125 @@
+"""Receptive-field coverage and small-world metrics of attention graphs drawn through the model's own code."""
+
+import numpy as np
+import pytest
+import torch
+
+from analysis.attention_graph import VARIANTS, directed_edges, layer_edges, layer_paths, stack_paths
+from analysis.reachability import coverage_by_layer, reachable_matrix, sample_keys
+from analysis.smallworld import BandGraph, CsrGraph, measure, watts_strogatz_csr
+from analysis.theory import log_w_layers, mean_field_coverage, swa_coverage
+from kernels.naive import band_mask
+
+
+@pytest.mark.parametrize("kind", VARIANTS)
+@pytest.mark.parametrize("n,w", [(37, 5), (64, 8), (20, 64), (33, 2)])
+def test_edges_are_the_kernel_mask(kind, n, w):
+    """Every path's edges are exactly kernels.naive.band_mask under the model's permutation and band."""
+    for path in layer_paths(kind, 2, n, w, seed=3):
+        q_slot, k_slot = np.nonzero(band_mask(torch.from_numpy(path.pos), path.left, path.right).numpy())
+        dense = np.zeros((n, n), dtype=bool)
+        dense[path.pos[q_slot], path.pos[k_slot]] = True
+        q, k = directed_edges(path)
+        ours = np.zeros((n, n), dtype=bool)
+        ours[q, k] = True
+        assert (ours == dense).all()
+        assert (reachable_matrix([[path]]) == dense).all()
+
+
+def test_permutations_are_the_models():
+    from model.permutation import PermutationSampler
+
+    path = layer_paths("sa", 3, 50, 8, seed=7)[0]
+    assert torch.equal(torch.from_numpy(path.pos), PermutationSampler(eval_seed=7).sample(3, 50, 1, training=False))
+    path = layer_paths("sa", 3, 50, 8, seed=7, training=True, step=11)[0]
+    expected = PermutationSampler(seed=7, step=11).sample(3, 50, 1, training=True)[0]
+    assert torch.equal(torch.from_numpy(path.pos), expected)
+
+
+@pytest.mark.parametrize("kind", VARIANTS)
+def test_reachability_equals_dense_boolean_products(kind):
+    n, w, layers = 150, 6, 4
+    stack = stack_paths(kind, layers, n, w, seed=1)
+    dense = np.eye(n, dtype=bool)
+    for paths in stack:
+        adj = np.zeros((n, n), dtype=np.int32)
+        q, k = layer_edges(paths)
+        adj[q, k] = 1
+        dense = (adj @ dense.astype(np.int32)) > 0
+    assert (reachable_matrix(stack) == dense).all()
+    keys = sample_keys(n, 40, seed=2)
+    assert (reachable_matrix(stack, keys) == dense[:, keys]).all()
+    causal = np.tril(np.ones((n, n), dtype=bool))
+    assert coverage_by_layer(stack, np.arange(n))[-1] == pytest.approx(dense.sum() / causal.sum(), abs=1e-12)
+
+
+@pytest.mark.parametrize("n,w", [(97, 4), (256, 8), (300, 33)])
+def test_swa_reach_is_exactly_layers_times_w_minus_1(n, w):
+    for layers in range(1, 6):
+        reach = reachable_matrix(stack_paths("swa", layers, n, w))
+        q, k = np.indices((n, n))
+        assert (reach == ((q - k >= 0) & (q - k <= layers * (w - 1)))).all(), layers
+    measured = coverage_by_layer(stack_paths("swa", 5, n, w), np.arange(n))
+    assert measured == pytest.approx(swa_coverage(n, w, 5), abs=1e-12)
+    assert mean_field_coverage(n, w, 5, "swa") == pytest.approx(swa_coverage(n, w, 5), abs=1e-12)
+
+
+def test_sa_coverage_after_log_w_layers():
+    """Near 1 after ceil(log_w n) + 2 layers when w is large; for small w causality thins the edges of early queries
+    (a query at t has only (w-1) t / n causal neighbours per layer) and coverage stays well below 1. Either way the
+    measurement follows the mean-field curve of analysis.theory."""
+    for n, w, floor in [(2048, 32, 0.85), (4096, 64, 0.87), (512, 8, 0.45), (1024, 16, 0.70)]:
+        layers = log_w_layers(n, w) + 2
+        for training in (False, True):
+            measured = coverage_by_layer(stack_paths("sa", layers, n, w, seed=0, training=training, step=3),
+                                         np.arange(n))
+            assert measured[-1] >= floor, (n, w, measured)
+            assert measured[-1] == pytest.approx(mean_field_coverage(n, w, layers, "sa")[-1], abs=0.03)
+    # the paper's setting: n = 32768, w = 256 -> ceil(log_w n) = 2; four layers reach > 95% of the pairs
+    n, w = 32768, 256
+    measured = coverage_by_layer(stack_paths("sa", log_w_layers(n, w) + 2, n, w), sample_keys(n, 256, seed=0))
+    assert measured[-1] > 0.95
+
+
+@pytest.mark.parametrize("n,w", [(256, 8), (1024, 16)])
+def test_gated_covers_everything_in_a_few_layers(n, w):
+    layers = log_w_layers(n, w) + 2
+    keys = np.arange(n)
+    gated = coverage_by_layer(stack_paths("gated_sa_swa", layers, n, w), keys)
+    sa = coverage_by_layer(stack_paths("sa", layers, n, w), keys)
+    swa = coverage_by_layer(stack_paths("swa", layers, n, w), keys)
+    assert all(g >= max(a, b) for g, a, b in zip(gated, sa, swa))
+    assert gated[-1] > 0.999
+
+
+@pytest.mark.parametrize("kind,n,w,layers", [("swa", 90, 6, 1), ("sa", 120, 8, 1), ("sa", 100, 6, 3),
+                                             ("gated_sa_swa", 80, 4, 2)])
+def test_small_world_metrics_agree_with_networkx(kind, n, w, layers):
+    nx = pytest.importorskip("networkx")
+    stack = stack_paths(kind, layers, n, w, seed=4)
+    graph = BandGraph([p for paths in stack for p in paths])
+    g = graph.to_networkx()
+    ours = measure(graph)
+    assert ours.method == "exact"
+    assert ours.mean_degree == pytest.approx(2 * g.number_of_edges() / n)
+    assert ours.clustering == pytest.approx(nx.average_clustering(g), abs=1e-12)
+    assert ours.path_length == pytest.approx(nx.average_shortest_path_length(g), abs=1e-12)
+    csr = measure(CsrGraph(nx.to_scipy_sparse_array(g)))
+    assert (csr.clustering, csr.path_length) == pytest.approx((ours.clustering, ours.path_length), abs=1e-12)
+    ws = watts_strogatz_csr(200, 10, 0.2, seed=1)
+    ws_nx = nx.from_scipy_sparse_array(ws.m)
+    m = measure(ws)
+    assert m.clustering == pytest.approx(nx.average_clustering(ws_nx), abs=1e-12)
+    if nx.is_connected(ws_nx):
+        assert m.path_length == pytest.approx(nx.average_shortest_path_length(ws_nx), abs=1e-12)
+
+
+def test_coverage_cli_writes_table_and_plot(tmp_path, capsys):
+    from analysis.coverage import main
+
+    assert main(["--n", "256", "--w", "8", "--layers", "4", "--out", str(tmp_path), "--sw-exact-nodes", "300"]) == 0
+    text = (tmp_path / "coverage.md").read_text()
+    assert "| 4 | 28 |" in text  # layer 4: SWA reach 4 x 7
+    assert "identical to the measured column" in text and "Small-world" in text
+    assert (tmp_path / "coverage.png").stat().st_size > 10_000
+    assert (tmp_path / "coverage.json").is_file()

@@ -1,0 +1,125 @@
+"""Sweep presets compose, the multirun + DDP guard fails fast, and tools.compare reads real run directories."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import ROOT, TINY, compose_train
+
+PRESETS = {
+    "ablation": {"attention": "full,swa,sa,gated_sa_swa", "seed": "0,1,2"},
+    "window_sweep": {"attention": "swa,sa,gated_sa_swa", "attention.window": "8,16,32,64", "seed": "0,1"},
+    "probes_cpu": {"attention": "full,swa,sa,gated_sa_swa"},
+    "paper_small_cpu": {"attention": "full,swa,sa,gated_sa_swa", "seed": "0,1"},
+}
+
+
+def compose_with_hydra(overrides):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        return compose(config_name="train", overrides=overrides, return_hydra_config=True)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_sweep_presets_compose(preset, tmp_path):
+    from train import check_config  # noqa: F401  (registers the `steps` resolver the presets use)
+
+    extra = ["data.source.paths=[/corpus/*.jsonl.gz]"] if preset == "paper_small_cpu" else []
+    cfg = compose_train([f"experiment={preset}", "attention=sa"] + extra, tmp_path)
+    assert cfg.task_name == preset and cfg.attention.kind == "sa"
+    OmegaConf.to_container(cfg.model, resolve=True)
+    OmegaConf.to_container(cfg.trainer, resolve=True)
+    full = compose_with_hydra([f"experiment={preset}"] + extra)
+    assert dict(full.hydra.sweeper.params) == PRESETS[preset]
+    assert full.hydra.callbacks.multirun_guard._target_ == "tools.guards.MultirunDDPGuard"
+    wandb = OmegaConf.to_container(full.logger.wandb, resolve=False)
+    assert wandb["group"] == "${task_name}_${now:%Y-%m-%d_%H-%M-%S}"  # one W&B group per sweep (= its folder)
+    assert full.task_name == preset
+    assert "${attention.kind}" in wandb["tags"] and "w${attention.window}" in wandb["tags"]
+    sweep = OmegaConf.to_container(full.hydra.sweep, resolve=False)
+    assert sweep["subdir"] == "${hydra.job.num}_${attention.kind}_w${attention.window}_s${seed}"
+
+
+def test_presets_sizes(tmp_path):
+    from train import check_config
+
+    probes = compose_train(["experiment=probes_cpu", "attention=swa"], tmp_path)
+    reach = probes.model.n_layers * (probes.attention.window - 1)
+    assert reach == 124 and probes.data.seq_len == 1024
+    paper = compose_train(["experiment=paper_small_cpu", "data.source.paths=[x]"], tmp_path)
+    assert OmegaConf.select(paper, "trainer.max_steps") == 2_000_000 // 4096
+    with pytest.raises(Exception, match="data.source.paths"):  # the corpus must be given on the command line
+        check_config(compose_train(["experiment=paper_small_cpu"], tmp_path))
+
+
+def test_multirun_ddp_guard():
+    from model.config import ConfigError
+    from tools.guards import multirun_ddp_problem, refuse_multirun_ddp
+
+    ddp = OmegaConf.create({"trainer": {"strategy": "ddp", "devices": 2, "num_nodes": 1, "accelerator": "cpu"}})
+    assert "re-run the whole sweep" in multirun_ddp_problem(ddp, multirun=True)
+    assert multirun_ddp_problem(ddp, multirun=False) is None  # a single DDP run is fine
+    for ok in ({"strategy": "auto", "devices": 1}, {"strategy": "ddp", "devices": 1, "num_nodes": 1},
+               {"strategy": "ddp_spawn", "devices": 2}):
+        assert multirun_ddp_problem(OmegaConf.create({"trainer": ok}), multirun=True) is None, ok
+    with pytest.raises(ConfigError, match="trainer.strategy='ddp'.*trainer.devices=1"):
+        refuse_multirun_ddp(ddp, multirun=True)
+    refuse_multirun_ddp(ddp)  # no Hydra job here: not a multirun
+
+
+def test_multirun_with_ddp_fails_fast_from_the_command_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ablation", "trainer=ddp_cpu",
+                          "logger=csv", f"paths.log_dir={tmp_path}/runs", f"paths.cache_dir={tmp_path}/cache"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "Hydra multirun (-m) cannot use trainer.strategy=ddp" in res.stderr + res.stdout
+    assert not list(tmp_path.glob("runs/**/metrics.csv"))  # nothing trained
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, corpus_file, data_cache):
+    from train import train
+
+    root = tmp_path_factory.mktemp("sweep")
+    for i, kind in enumerate(("swa", "sa")):
+        run = root / f"{i}_{kind}_w8_s0"
+        train(compose_train(TINY + [f"attention={kind}", "attention.window=8", "trainer.max_steps=6",
+                                    "trainer.val_every_n_steps=3", "trainer.checkpoint_every_n_steps=6",
+                                    "data.val_windows=2"], run, corpus_file, data_cache))
+    results = {"results": [{"task": "lambada_openai", "metric": "acc", "value": 0.25, "stderr": 0.01}]}
+    (root / "1_sa_w8_s0" / "eval" / "suite").mkdir(parents=True)
+    (root / "1_sa_w8_s0" / "eval" / "suite" / "results.json").write_text(json.dumps(results))
+    return root
+
+
+def test_compare_table_and_plots_from_real_runs(two_runs, tmp_path):
+    from tools.compare import compare, main
+    from tools.runs import find_runs, load_run
+
+    assert [p.name for p in find_runs([two_runs])] == ["0_swa_w8_s0", "1_sa_w8_s0"]
+    result = compare([str(two_runs)], tmp_path / "out")
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"swa", "sa"} and rows["sa"]["window"] == 8 and rows["sa"]["seed"] == 0
+    for row in rows.values():
+        assert row["steps"] == 6 and row["tokens"] == 6 * 4 * 64
+        assert row["val_loss"] > 0 and row["val_ppl"] > 1 and row["train_loss"] > 0 and row["tokens_per_s"] > 0
+        assert 10_000 < row["params"] < 200_000
+    assert rows["sa"]["eval:lambada_openai/acc"] == 0.25 and rows["swa"]["eval:lambada_openai/acc"] is None
+    text = (tmp_path / "out" / "compare.md").read_text()
+    assert "| 1_sa_w8_s0 | sa | 8 | 0 | 6 | 1,536 |" in text and "lambada_openai/acc" in text
+    assert "| sa w=8 | 1 |" in text
+    assert (tmp_path / "out" / "val_loss_vs_tokens.png").stat().st_size > 10_000
+    run = load_run(two_runs / "0_swa_w8_s0")
+    steps, _ = run.series("val/loss")
+    assert steps == [0, 2, 5] and run.tokens_at(steps) == [0.0, 3 * 256, 6 * 256]
+    assert main([str(two_runs / "0_swa_w8_s0"), str(two_runs / "1_sa_w8_s0"), "--out", str(tmp_path / "cli"),
+                 "--no-plots"]) == 0
+    assert (tmp_path / "cli" / "compare.md").is_file()

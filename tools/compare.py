@@ -1,0 +1,181 @@
+"""Compare training runs from their local run directories (no W&B needed).
+
+    python -m tools.compare runs/ablation/multirun/2026-11-30_10-00-00
+    python -m tools.compare runs/window_sweep/multirun/<date> runs/ablation/multirun/<date> --out runs/compare
+
+Prints a markdown table (one row per run: variant, window, seed, steps, tokens, final train loss, final val loss,
+val perplexity, tokens/s, parameters, eval metrics found under <run>/eval/**/results.json) and a summary per
+configuration (mean ± std over seeds), and writes compare.md and val_loss_vs_tokens.png (validation and training
+loss against training tokens, one colour per variant and window, thin lines per run, mean and min-max band across
+seeds) to --out (default: <the single directory given>/compare, else ./compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tools.runs import Run, count_parameters, find_runs, load_run
+
+VARIANT_ORDER = {"full": 0, "swa": 1, "sa": 2, "gated_sa_swa": 3, "moba": 4}
+
+
+def _sort_key(run: Run):
+    return (VARIANT_ORDER.get(run.variant, 9), run.window or 0, str(run.seed), str(run.path))
+
+
+def _num(x, fmt="{:.4f}"):
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def _params(n):
+    return "—" if n is None else f"{n / 1e6:.2f}M"
+
+
+def run_rows(runs: list[Run]) -> tuple[list[dict], list[str]]:
+    eval_keys = sorted({k for r in runs for k in r.evals})
+    rows = []
+    param_cache: dict[str, int | None] = {}
+    for r in runs:
+        steps, tps = r.series("train/tokens_per_s")
+        key = repr((r.config.get("model"), r.config.get("attention", {}).get("kind")))
+        if key not in param_cache:
+            param_cache[key] = count_parameters(r.config)
+        train_steps, _ = r.series("train/loss")
+        rows.append({
+            "run": r.path.name, "path": str(r.path), "variant": r.variant, "window": r.window, "seed": r.seed,
+            "group": r.group, "steps": (train_steps[-1] + 1) if train_steps else None,
+            "tokens": r.last("train/tokens"), "train_loss": r.last("train/loss"), "val_loss": r.last("val/loss"),
+            "val_ppl": r.last("val/ppl"), "tokens_per_s": statistics.median(tps) if tps else None,
+            "params": param_cache[key], **{f"eval:{k}": r.evals.get(k) for k in eval_keys},
+        })
+    return rows, eval_keys
+
+
+def markdown_table(rows: list[dict], eval_keys: list[str]) -> str:
+    head = ["run", "variant", "window", "seed", "steps", "tokens", "train loss", "val loss", "val ppl", "tokens/s",
+            "params"] + eval_keys
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["run"], r["variant"], "—" if r["window"] is None else str(r["window"]), str(r["seed"]),
+                 _num(r["steps"], "{}"), _num(r["tokens"], "{:,.0f}"), _num(r["train_loss"]), _num(r["val_loss"]),
+                 _num(r["val_ppl"], "{:.2f}"), _num(r["tokens_per_s"], "{:,.0f}"), _params(r["params"])]
+        cells += [_num(r[f"eval:{k}"]) for k in eval_keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_table(rows: list[dict], eval_keys: list[str]) -> str:
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["group"], []).append(r)
+
+    def stat(values, fmt="{:.4f}"):
+        values = [v for v in values if v is not None]
+        if not values:
+            return "—"
+        if len(values) == 1:
+            return fmt.format(values[0])
+        return f"{fmt.format(statistics.fmean(values))} ± {fmt.format(statistics.stdev(values))}"
+
+    head = ["variant / window", "seeds", "val loss", "val ppl", "train loss", "tokens/s"] + eval_keys
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, members in groups.items():
+        cells = [name, str(len(members)), stat([m["val_loss"] for m in members]),
+                 stat([m["val_ppl"] for m in members], "{:.2f}"), stat([m["train_loss"] for m in members]),
+                 stat([m["tokens_per_s"] for m in members], "{:,.0f}")]
+        cells += [stat([m[f"eval:{k}"] for m in members]) for k in eval_keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _mean_band(curves: list[tuple[list[float], list[float]]]):
+    """Mean, min and max across runs at the x values all runs share (the same steps for the same config)."""
+    common = sorted(set.intersection(*(set(x) for x, _ in curves)))
+    if not common:
+        return None
+    ys = np.array([[dict(zip(x, y))[c] for c in common] for x, y in curves])
+    return np.array(common), ys.mean(0), ys.min(0), ys.max(0)
+
+
+def plot(runs: list[Run], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[str, list[Run]] = {}
+    for r in runs:
+        groups.setdefault(r.group, []).append(r)
+    cmap = plt.get_cmap("tab10")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, (name, members) in enumerate(groups.items()):
+        color = cmap(i % 10)
+        for ax, key in ((axes[0], "val/loss"), (axes[1], "train/loss")):
+            curves = []
+            for r in members:
+                steps, values = r.series(key)
+                x = r.tokens_at(steps, key)
+                if x:
+                    curves.append((x, values))
+                    ax.plot(x, values, color=color, alpha=0.3, lw=0.8)
+            band = _mean_band(curves) if curves else None
+            if band is not None:
+                x, mean, lo, hi = band
+                ax.plot(x, mean, color=color, lw=2, label=f"{name} (n={len(members)})")
+                if len(members) > 1:
+                    ax.fill_between(x, lo, hi, color=color, alpha=0.15)
+    for ax, title in zip(axes, ("validation loss", "training loss")):
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel(title)
+        ax.set_title(f"{title} vs tokens (mean, min-max over seeds)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def compare(paths, out: Path | None = None, plots: bool = True) -> dict:
+    run_dirs = find_runs(paths)
+    if not run_dirs:
+        raise SystemExit(f"error: no run directories (config.yaml + metrics.csv) under {' '.join(map(str, paths))}")
+    runs = sorted((load_run(p) for p in run_dirs), key=_sort_key)
+    if len({r.config.get("task_name") for r in runs}) > 1:  # several presets: keep their runs apart
+        for r in runs:
+            r.label = f"{r.config.get('task_name')}: "
+    rows, eval_keys = run_rows(runs)
+    text = ("## Runs\n\n" + markdown_table(rows, eval_keys) + "\n\n## Per configuration (mean ± std over seeds)\n\n"
+            + summary_table(rows, eval_keys) + "\n\nFinal values = last logged; tokens/s = median over the run; "
+            "params rebuilt from config.yaml on the meta device.\n")
+    if out is None:
+        out = Path(paths[0]) / "compare" if len(paths) == 1 and not (Path(paths[0]) / "metrics.csv").is_file() \
+            else Path("compare")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.md").write_text(text)
+    files = [out / "compare.md"]
+    if plots:
+        plot(runs, out / "val_loss_vs_tokens.png")
+        files.append(out / "val_loss_vs_tokens.png")
+    return {"rows": rows, "eval_keys": eval_keys, "markdown": text, "files": files}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.compare", description=__doc__.split("\n\n")[0])
+    ap.add_argument("paths", nargs="+", help="multirun directories and/or run directories")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    result = compare(args.paths, args.out, plots=not args.no_plots)
+    print(result["markdown"])
+    print("wrote " + ", ".join(map(str, result["files"])), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
