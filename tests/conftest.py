@@ -59,4 +59,4 @@ def compose_train(overrides: list[str], run_dir: Path, corpus: Path | None = Non
 
 
 TINY = ["model=tiny", "data.batch_size=4", "data.val_windows=4", "data.val_batch_size=4", "optim.warmup_steps=2",
-        "optim.lr=3e-3", "trainer.log_every_n_steps=1"]
+        "optim.lr=3e-3", "trainer.log_every_n_steps=1", "eval.after_train=false"]

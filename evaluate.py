@@ -1,0 +1,68 @@
+"""Evaluate a trained checkpoint with lm-evaluation-harness (suites in conf/eval/).
+
+    python evaluate.py ckpt=runs/train/<run>                                        # quick: WikiText + LAMBADA
+    python evaluate.py ckpt=runs/train/<run> eval=paper eval.data_dir=/work/shared/evaldata   # offline, Table 1
+    python evaluate.py ckpt=<file>.ckpt eval=full attention.window=64 eval.num_seeds=5 eval.limit=100
+
+Writes results.json, results.md and lm-eval's raw output per seed to <run dir>/eval/<suite>-<timestamp>/
+(or out_dir=...) and prints the table.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+ROOT = Path(__file__).resolve().parent
+
+
+def run_dir_of(ckpt: str | Path) -> Path:
+    """A run directory, or the run directory a checkpoint file belongs to (<run>/checkpoints/x.ckpt -> <run>)."""
+    path = Path(ckpt)
+    if path.is_file():
+        return path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return path
+
+
+def eval_out_dir(ckpt, out_dir, suite, stamp) -> str:
+    """hydra.run.dir: out_dir if given, else <run dir>/eval/<suite>-<timestamp> (runs/eval/... for a missing ckpt)."""
+    if out_dir not in (None, ""):
+        return str(out_dir)
+    base = run_dir_of(ckpt) / "eval" if Path(str(ckpt)).exists() else Path("runs") / "eval"
+    return str(base / f"{suite}-{stamp}")
+
+
+OmegaConf.register_new_resolver("sa_eval_out_dir", eval_out_dir, replace=True)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
+def main(cfg: DictConfig):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import logging
+
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)  # per-subtask INFO lines (57 for MMLU) drown the table
+    from hydra.core.hydra_config import HydraConfig
+
+    from evaluation.runner import evaluate_checkpoint
+    from model.config import ConfigError
+
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    eval_cfg = OmegaConf.to_container(cfg.eval, resolve=True)
+    attention = {k: v for k, v in OmegaConf.to_container(cfg.attention, resolve=True).items() if v is not None}
+    try:
+        summary = evaluate_checkpoint(cfg.ckpt, eval_cfg, attention, out_dir)
+    except (FileNotFoundError, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(summary["table"])
+    print(f"results: {summary['json']}\n         {summary['markdown']}\n"
+          f"time   : {summary['seconds_total']:.0f} s ({len(summary['seeds'])} seed(s))")
+    return summary.get("avg_acc", {}) and summary["avg_acc"]["value"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Run an evaluation suite on a checkpoint: local or hub tasks, K SA permutation seeds, JSON + markdown out.
+
+    from evaluation import evaluate_checkpoint
+    evaluate_checkpoint("runs/train/<run>", {"tasks": ["wikitext", "lambada_openai"], "data_dir": None}, None, out)
+
+Tasks come from `data_dir` (layout of shared/evaldata, converted by evaluation/local_tasks.py) when their files are
+there, else from the HF hub under lm-eval's official task names. A task reachable neither way is skipped, and one
+line on stderr says which and how to fix it; the rest still runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STOCHASTIC_KINDS = ("sa", "gated_sa_swa")  # attention whose eval scores depend on the permutation seed
+DEFAULTS = {"name": "custom", "tasks": ["wikitext", "lambada_openai"], "data_dir": None, "batch_size": 16,
+            "limit": None, "num_seeds": 1, "device": "auto", "dtype": "float32", "max_length": None,
+            "bootstrap_iters": 1000, "task_dir": None, "after_train": False}
+
+
+def default_task_dir(data_dir: str | Path) -> Path:
+    """Converted local tasks are cached per data folder: $SA_CACHE_DIR (or <repo>/.cache)/eval_tasks/<hash>."""
+    import hashlib
+
+    root = Path(os.environ.get("SA_CACHE_DIR") or ROOT / ".cache")
+    key = hashlib.sha1(str(Path(data_dir).resolve()).encode()).hexdigest()[:12]
+    return root / "eval_tasks" / key
+
+
+@dataclass
+class TaskPlan:
+    run: list[str]  # names handed to lm-eval
+    source: dict[str, str]  # task -> "local:<yaml>" | "hub"
+    skipped: dict[str, str] = field(default_factory=dict)  # task -> why
+    notes: list[str] = field(default_factory=list)
+    task_manager: object = None
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on")
+               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def official_dirs(tasks: list[str]) -> list[Path] | None:
+    """Folders of lm-eval's own YAMLs for `tasks` (None if one is not ours: then index all 14k built-in tasks)."""
+    from evaluation.local_tasks import SPECS, official_tasks_dir
+
+    dirs = []
+    for task in tasks:
+        if task == "mmlu":
+            dirs.append(official_tasks_dir() / "mmlu" / "default")
+        elif task in SPECS:
+            dirs.append((official_tasks_dir() / SPECS[task].official).parent)
+        else:
+            return None
+    return list(dict.fromkeys(dirs))
+
+
+def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Path | None = None) -> TaskPlan:
+    """Decide where each task's data comes from; build the TaskManager lm-eval will use.
+
+    Hub tasks keep their official definitions; indexing only their folders (not all ~14k built-in tasks, ~14 s)
+    when every task is one we know. Local task folders come last in include_path, so they win name clashes.
+    """
+    from lm_eval.tasks import TaskManager
+
+    from evaluation.local_tasks import KNOWN_TASKS, write_local_tasks
+
+    plan = TaskPlan(run=[], source={})
+    local = None
+    if data_dir is not None:
+        task_dir = Path(task_dir) if task_dir else default_task_dir(data_dir)
+        local = write_local_tasks(data_dir, [t for t in tasks if t in KNOWN_TASKS], task_dir,
+                                  cache_dir=task_dir / "hf_datasets")
+        plan.notes += local.notes
+        for name, yaml_path in local.available.items():
+            plan.source[name] = f"local:{yaml_path}"
+    hub = [t for t in tasks if t not in plan.source]
+    local_dirs = [str(local.task_dir)] if local is not None and local.available else []
+    if not hub:
+        plan.task_manager = TaskManager(include_path=local_dirs, include_defaults=False)
+    else:
+        dirs = official_dirs(hub)
+        plan.task_manager = TaskManager(include_path=[*map(str, dirs or []), *local_dirs] or None,
+                                        include_defaults=dirs is None)
+        for name in hub:
+            here = local.missing.get(name) if local is not None else "eval.data_dir is not set"
+            try:
+                plan.task_manager.load([name])
+                plan.source[name] = "hub"
+            except Exception as err:  # noqa: BLE001 - any failure to get the data means: skip this task
+                why = "HF hub offline" if _hub_offline() else f"HF hub: {type(err).__name__}: {str(err)[:120]}"
+                plan.skipped[name] = f"{here}; {why}" if here else why
+    plan.run = [t for t in tasks if t in plan.source]
+    return plan
+
+
+def skipped_line(skipped: dict[str, str], data_dir) -> str:
+    """The one line that says which tasks have no data and how to get it."""
+    reasons = "; ".join(f"{task} ({why})" for task, why in skipped.items())
+    fix = ("put the files under eval.data_dir in the layout of shared/evaldata (evaluation/README.md)"
+           if data_dir is not None else "pass eval.data_dir=<folder in the layout of shared/evaldata>")
+    return f"eval: skipping {reasons} -- fix: {fix}, or run online (unset HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)"
+
+
+def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, out_dir: str | Path, *,
+                        loaded=None, log=None) -> dict:
+    """Evaluate a checkpoint (file or run dir) on the suite `eval_cfg`; writes results.json + results.md to out_dir.
+
+    eval_cfg keys: tasks, data_dir, batch_size, limit, num_seeds, device (and optionally dtype, max_length,
+    bootstrap_iters, task_dir, name). attention_overrides: kind / window / backend / eval_seed for the rebuilt model.
+    `loaded` (a model.checkpoint.LoadedModel) skips loading `ckpt` again. Returns a summary dict (see the JSON).
+    """
+    import lm_eval
+
+    from evaluation.lm import SALM
+    from evaluation.report import avg_accuracy, combine_seeds, extract, markdown_table
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    cfg = {**DEFAULTS, **{k: v for k, v in dict(eval_cfg or {}).items()}}
+    tasks = list(cfg["tasks"])
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+
+    overrides = {k: v for k, v in dict(attention_overrides or {}).items() if v is not None}
+    lm_kwargs = dict(batch_size=int(cfg["batch_size"]), device=cfg["device"], dtype=cfg["dtype"],
+                     max_length=cfg["max_length"])
+    if loaded is not None and overrides:
+        raise ValueError("attention_overrides apply when the checkpoint is loaded here; pass loaded=None")
+    if loaded is not None:
+        lm = SALM(loaded=loaded, **lm_kwargs)
+    else:
+        lm = SALM(checkpoint=str(ckpt), **overrides, **lm_kwargs)
+    info = lm.get_model_info()
+    kind = info["attention"]["kind"]
+    num_seeds = max(1, int(cfg["num_seeds"]))
+    notes: list[str] = []
+    if kind not in STOCHASTIC_KINDS and num_seeds > 1:
+        notes.append(f"attention kind={kind} is deterministic: 1 seed instead of {num_seeds}")
+        num_seeds = 1
+    seeds = [lm.eval_seed + k for k in range(num_seeds)]
+
+    plan = plan_tasks(tasks, cfg["data_dir"], cfg["task_dir"])
+    notes += plan.notes
+    for note in notes:
+        log(f"eval: {note}")
+    if plan.skipped:
+        log(skipped_line(plan.skipped, cfg["data_dir"]))
+
+    per_seed, raw_dir, seconds = [], out_dir / "lm_eval", []
+    for seed in seeds if plan.run else []:
+        lm.eval_seed = seed
+        t0 = time.time()
+        results = lm_eval.simple_evaluate(model=lm, tasks=plan.run, task_manager=plan.task_manager,
+                                          limit=cfg["limit"], bootstrap_iters=int(cfg["bootstrap_iters"]),
+                                          log_samples=False)
+        seconds.append(time.time() - t0)
+        log(f"eval: seed {seed}: {len(plan.run)} task(s) in {seconds[-1]:.0f} s")
+        per_seed.append(extract(results, plan.run))
+        raw_dir.mkdir(exist_ok=True)
+        from lm_eval.utils import handle_non_serializable
+
+        (raw_dir / f"seed{seed}.json").write_text(json.dumps(
+            {k: v for k, v in results.items() if k != "samples"}, indent=1, default=handle_non_serializable))
+    lm.eval_seed = seeds[0]
+
+    combined = combine_seeds(per_seed)
+    avgs = [avg_accuracy(run) for run in per_seed]
+    avg_values = [a for a, _ in avgs if a is not None]
+    avg_entry = None
+    if avg_values:
+        import statistics
+
+        avg_entry = {"value": statistics.fmean(avg_values), "per_seed": avg_values,
+                     "std": statistics.stdev(avg_values) if len(avg_values) > 1 else 0.0, "tasks": avgs[0][1]}
+    label = f"{kind} (w={info['attention']['window']})" if kind != "full" else "full"
+    table = markdown_table([(label, combined, avg_entry)], len(seeds), tasks)
+
+    summary = {
+        "suite": cfg["name"], "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "lm_eval_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else _version("lm_eval"),
+        "checkpoint": info["checkpoint"], "attention": info["attention"], "attention_overrides": overrides,
+        "dtype": info["dtype"], "batch_size": lm.batch_size, "device": str(lm.device), "max_length": lm.max_length,
+        "n_parameters": info["n_parameters"], "seeds": seeds, "limit": cfg["limit"],
+        "bootstrap_iters": int(cfg["bootstrap_iters"]), "num_fewshot": 0, "data_dir": cfg["data_dir"],
+        "data": plan.source, "skipped": plan.skipped, "notes": notes,
+        "results": [{"task": task, "metric": metric, **entry} for task, metrics in combined.items()
+                    for metric, entry in metrics.items()],
+        "avg_acc": avg_entry, "seconds_per_seed": seconds, "seconds_total": time.time() - started,
+    }
+    (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
+    footer = ["", f"Suite `{cfg['name']}` on `{info['checkpoint']}`; lm-eval {summary['lm_eval_version']}, 0-shot, "
+              f"{info['dtype']}, batch {lm.batch_size}, seeds {seeds}"
+              + (f", limit {cfg['limit']}" if cfg["limit"] else "")
+              + ". Accuracies in %; Avg = mean of the accuracy columns"
+              + (f" ({', '.join(avg_entry['tasks'])})" if avg_entry else "") + "."]
+    if len(seeds) > 1:
+        footer.append("Cells: mean ± std over SA permutation seeds.")
+    if plan.skipped:
+        footer.append("Skipped (no data): " + ", ".join(plan.skipped) + ".")
+    markdown = table + "\n" + "\n".join(footer) + "\n"
+    (out_dir / "results.md").write_text(markdown, encoding="utf-8")
+    summary.update(table=markdown, json=str(out_dir / "results.json"), markdown=str(out_dir / "results.md"))
+    summary["by_task"] = combined
+    return summary
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package.replace("_", "-"))
+    except PackageNotFoundError:
+        return "unknown"

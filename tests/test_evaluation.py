@@ -1,0 +1,595 @@
+"""Evaluation through lm-evaluation-harness: the "sa-lm" model, the offline task definitions, suites and CLIs.
+
+Everything runs offline on a tiny SA checkpoint trained here (max_seq_len 64, window 8, so long inputs and SA
+permutations are exercised). Evaluation data are synthetic fixtures written by these tests in the layout of
+shared/evaldata (no evaluation-set text lives in the repository); when shared/evaldata exists, the task definitions
+are also run on the first 20 examples of the real files.
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, compose_train
+
+REAL_EVALDATA = ROOT.parent / "shared" / "evaldata"
+ALL_TASKS = ["wikitext", "lambada_openai", "lambada_standard", "piqa", "hellaswag", "winogrande", "arc_easy",
+             "arc_challenge", "boolq", "openbookqa", "social_iqa", "mmlu"]
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model's small matmuls run several times faster on one thread, above all on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory, corpus_file, data_cache) -> Path:
+    from train import train
+
+    run_dir = tmp_path_factory.mktemp("eval_run")
+    cfg = compose_train(TINY + ["attention=sa", "attention.window=8", "trainer.max_steps=12",
+                                "trainer.val_every_n_steps=12", "trainer.checkpoint_every_n_steps=12"],
+                        run_dir, corpus_file, data_cache)
+    train(cfg)
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture(scope="session")
+def loaded(tiny_ckpt):
+    from model.checkpoint import load_checkpoint
+
+    return load_checkpoint(tiny_ckpt)
+
+
+@pytest.fixture(scope="session")
+def salm(loaded):
+    from evaluation.lm import SALM
+
+    return SALM(loaded=loaded, batch_size=3, device="cpu")
+
+
+class Words:
+    """Synthetic text from the words of Python's own pydoc pages (never evaluation-set text)."""
+
+    def __init__(self, seed: int = 0):
+        from pydoc_data.topics import topics
+
+        self.words = sorted(set(re.findall(r"[a-z]{3,10}", " ".join(topics.values()))))
+        self.rng = random.Random(seed)
+
+    def word(self) -> str:
+        return self.rng.choice(self.words)
+
+    def sentence(self, n: int = 8) -> str:
+        text = " ".join(self.word() for _ in range(n))
+        return text[0].upper() + text[1:] + "."
+
+    def passage(self, sentences: int = 3) -> str:
+        return " ".join(self.sentence(self.rng.randint(4, 12)) for _ in range(sentences))
+
+
+def make_truth(n: int = 6, seed: int = 0) -> dict[str, list[dict]]:
+    """Documents in the schema of the HF datasets the official lm-eval tasks load (the ground truth)."""
+    w = Words(seed)
+    rng = w.rng
+    truth: dict[str, list[dict]] = {}
+    truth["lambada_openai"] = [{"text": w.passage(2) + " " + w.word()} for _ in range(n)]
+    truth["lambada_standard"] = [{"text": w.passage(2) + " " + w.word(), "domain": None} for _ in range(n)]
+    truth["piqa"] = [{"goal": w.sentence(6), "sol1": w.sentence(9), "sol2": w.sentence(9), "label": i % 2}
+                     for i in range(n)]
+    hella = []
+    for i in range(n):
+        if i % 3 == 2:  # WikiHow-like: tags, no ctx_b
+            ctx_a, ctx_b = f"[header] How to {w.word()} a {w.word()} [title] {w.sentence(5)}", ""
+        else:  # ActivityNet-like: ctx_b is the lower-case start of the next sentence
+            ctx_a, ctx_b = w.passage(2), f"the {w.word()}"
+        hella.append({"ind": i, "activity_label": w.word().capitalize() + " " + w.word(), "ctx_a": ctx_a,
+                      "ctx_b": ctx_b, "ctx": f"{ctx_a} {ctx_b}".strip(),
+                      "endings": [w.sentence(5)[:-1].lower() + "." for _ in range(4)], "label": str(i % 4)})
+    truth["hellaswag"] = hella
+    truth["winogrande"] = []
+    for i in range(n):
+        name1, name2 = w.word().capitalize(), w.word().capitalize()
+        truth["winogrande"].append({"sentence": f"{name1} {w.sentence(4)[:-1].lower()} than {name2} so _ "
+                                                f"{w.sentence(5)[:-1].lower()}.", "option1": name1,
+                                    "option2": name2, "answer": str(1 + i % 2)})
+    for task in ("arc_easy", "arc_challenge"):
+        docs = []
+        for i in range(n):
+            k = 5 if i == 1 else 4
+            labels = [str(j + 1) for j in range(k)] if i == 2 else list("ABCDE"[:k])
+            docs.append({"id": f"{task}-{i}", "question": w.sentence(7)[:-1] + "?",
+                         "choices": {"text": [w.sentence(3)[:-1] for _ in range(k)], "label": labels},
+                         "answerKey": labels[i % k]})
+        truth[task] = docs
+    truth["boolq"] = [{"question": w.sentence(6)[:-1].lower(), "passage": f"{w.word().capitalize()} -- {w.passage(2)}",
+                       "idx": i, "label": i % 2} for i in range(n)]
+    truth["openbookqa"] = [{"id": f"{i}-{rng.randint(1, 999)}", "question_stem": w.sentence(7)[:-1],
+                            "choices": {"text": [" ".join(w.word() for _ in range(3)) for _ in range(4)],
+                                        "label": list("ABCD")}, "answerKey": "ABCD"[i % 4]} for i in range(n)]
+    truth["social_iqa"] = [{"context": w.passage(1), "question": f"What will {w.word()} want to do next?",
+                            "answerA": w.sentence(3)[:-1], "answerB": w.sentence(3)[:-1],
+                            "answerC": w.sentence(3)[:-1], "label": str(1 + i % 3)} for i in range(n)]
+    truth["mmlu"] = [{"question": w.sentence(8)[:-1] + "?", "subject": subject,
+                      "choices": [w.sentence(3)[:-1] for _ in range(4)], "answer": i % 4}
+                     for subject in ("anatomy", "high_school_physics") for i in range(n)]
+    return truth
+
+
+def wiki_articles(n: int, seed: int = 1) -> list[list[str]]:
+    """Articles as wiki.test.raw lines: title, sections, tokenized-style punctuation (" , ", " @-@ ")."""
+    w = Words(seed)
+    articles = []
+    for _ in range(n):
+        lines = [f" = {w.word().capitalize()} {w.word().capitalize()} = ", " "]
+        for section in range(2):
+            text = f" {w.sentence(6)[:-1]} , {w.word()} @-@ {w.word()} {w.sentence(5)[:-1].lower()} . "
+            lines += [text, " "]
+            if section == 0:
+                lines += [f" = = {w.word().capitalize()} = = ", " "]
+        articles.append(lines)
+    return articles
+
+
+def write_evaldata(folder: Path, truth: dict[str, list[dict]], articles: list[list[str]]) -> Path:
+    """The truth documents written in the local formats of shared/evaldata (see its README / SOURCE.md files)."""
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def jsonl(path: Path, rows):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def lines(path: Path, values):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(f"{v}\n" for v in values))
+
+    lines(folder / "wikitext-2-raw" / "wiki.test.raw", [" "] + [line for a in articles for line in a])
+    jsonl(folder / "lambada_openai" / "lambada_test.jsonl", [{"text": d["text"]} for d in truth["lambada_openai"]])
+    lines(folder / "lambada_standard" / "lambada_test_plain_text.txt", [d["text"] for d in truth["lambada_standard"]])
+    jsonl(folder / "piqa" / "valid.jsonl", [{k: d[k] for k in ("goal", "sol1", "sol2")} for d in truth["piqa"]])
+    lines(folder / "piqa" / "valid-labels.lst", [d["label"] for d in truth["piqa"]])
+    (folder / "hellaswag").mkdir(exist_ok=True)
+    with bz2.open(folder / "hellaswag" / "hellaswag_val_full.txt.bz2", "wt") as f:
+        for d in truth["hellaswag"]:
+            f.write("\n".join([f"{d['activity_label']}: {d['ctx']}", d["label"], *d["endings"]]) + "\n")
+    wino = []
+    for d in truth["winogrande"]:
+        blank = d["sentence"].index("_")
+        wino.append({"context_options": [d["sentence"][:blank] + d["option1"], d["sentence"][:blank] + d["option2"]],
+                     "continuation": d["sentence"][blank + 1:].strip(), "gold": int(d["answer"]) - 1})
+    jsonl(folder / "winogrande" / "winogrande.jsonl", wino)
+    lines(folder / "winogrande" / "dev-labels.lst", [d["answer"] for d in truth["winogrande"]])
+    for task, name in (("arc_easy", "ARC-Easy-Test.jsonl"), ("arc_challenge", "ARC-Challenge-Test.jsonl")):
+        jsonl(folder / "arc" / name, [{"id": d["id"], "question": {"stem": d["question"], "choices": [
+            {"text": t, "label": lab} for t, lab in zip(d["choices"]["text"], d["choices"]["label"])]},
+            "answerKey": d["answerKey"]} for d in truth[task]])
+    jsonl(folder / "boolq" / "val.jsonl", [{"question": d["question"], "passage": d["passage"], "idx": d["idx"],
+                                            "label": "true" if d["label"] else "false"} for d in truth["boolq"]])
+    (folder / "openbookqa").mkdir(exist_ok=True)
+    with open(folder / "openbookqa" / "test.tsv", "w", newline="") as f:
+        out = csv.writer(f, delimiter="\t", lineterminator="\n")
+        out.writerow(["ID", "Question Stem", "Choices", "Complete Question", "Answer Key"])
+        for d in truth["openbookqa"]:
+            choices = " ".join(f"({lab}) {t}" for lab, t in zip(d["choices"]["label"], d["choices"]["text"]))
+            out.writerow([d["id"], d["question_stem"], choices, f"{d['question_stem']} {choices}", d["answerKey"]])
+    jsonl(folder / "siqa" / "dev.jsonl", [{"context": d["context"], "question": d["question"],
+                                           "options": [d["answerA"], d["answerB"], d["answerC"]],
+                                           "answer": d["answer" + "ABC"[int(d["label"]) - 1]],
+                                           "metadata": {"task": "socialiqa"}} for d in truth["social_iqa"]])
+    lines(folder / "siqa" / "dev-labels.lst", [d["label"] for d in truth["social_iqa"]])
+    for subject in sorted({d["subject"] for d in truth["mmlu"]}):
+        for split in ("test", "dev"):
+            path = folder / "mmlu" / split / f"{subject}_{split}.csv"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            rows = [d for d in truth["mmlu"] if d["subject"] == subject][: None if split == "test" else 5]
+            with open(path, "w", newline="") as f:
+                out = csv.writer(f)
+                out.writerow(["question", "choice0", "choice1", "choice2", "choice3", "answer"])
+                out.writerows([[d["question"], *d["choices"], d["answer"]] for d in rows])
+    return folder
+
+
+@pytest.fixture(scope="session")
+def evaldata(tmp_path_factory):
+    truth = make_truth()
+    articles = wiki_articles(4)
+    return write_evaldata(tmp_path_factory.mktemp("evaldata"), truth, articles), truth, articles
+
+
+# ---------------------------------------------------------------------------------------------- direct reference
+def direct_score(model, seq: list[int], n_scored: int) -> tuple[float, bool]:
+    """log p(last n_scored tokens of seq | the tokens before them): one unpadded forward pass, no batching."""
+    with torch.no_grad():
+        logits = model(torch.tensor([seq[:-1]]))[0].float()
+    rows = torch.log_softmax(logits[len(seq) - 1 - n_scored:], dim=-1)
+    target = torch.tensor(seq[-n_scored:])
+    return rows.gather(1, target[:, None]).sum().item(), bool((rows.argmax(-1) == target).all())
+
+
+def direct_loglikelihood(loaded, context: str, continuation: str) -> tuple[float, bool]:
+    tok, L = loaded.tokenizer, loaded.model.cfg.max_seq_len
+    if context:
+        n_spaces = len(context) - len(context.rstrip())  # trailing spaces belong to the continuation
+        context, continuation = context[: len(context) - n_spaces], context[len(context) - n_spaces:] + continuation
+        ctx = tok.encode(context).ids
+        whole = tok.encode(context + continuation).ids
+        assert whole[: len(ctx)] == ctx, "test strings must tokenize with a clean boundary"
+        cont = whole[len(ctx):]
+    else:
+        ctx, cont = [loaded.eos_id], tok.encode(continuation).ids
+    total, greedy = 0.0, True
+    for start in range(0, len(cont), L):  # continuation pieces of at most L tokens (one piece unless very long)
+        piece = cont[start: start + L]
+        lp, g = direct_score(loaded.model, (ctx + cont[: start + len(piece)])[-(L + 1):], len(piece))
+        total, greedy = total + lp, greedy and g
+    return total, greedy
+
+
+def direct_rolling(loaded, text: str) -> float:
+    """Sum of log p over the whole text, EOS first, in disjoint chunks of L scored tokens, each chunk read with a
+    full window of L inputs where the text allows it (lm-eval's rolling windows with context_len=1)."""
+    L = loaded.model.cfg.max_seq_len
+    full = [loaded.eos_id] + loaded.tokenizer.encode(text).ids
+    n, total = len(full) - 1, 0.0
+    for start in range(0, n, L):
+        end = min(start + L, n)  # score full[start + 1 : end + 1]
+        total += direct_score(loaded.model, full[max(0, end - L): end + 1], end - start)[0]
+    return total
+
+
+def requests(kind: str, args: list[tuple]):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=0) for a in args]
+
+
+# ---------------------------------------------------------------------------------------------- the model class
+def test_sa_lm_is_registered_with_lm_eval():
+    import evaluation.lm
+    from lm_eval.api.registry import get_model
+
+    assert get_model("sa-lm") is evaluation.lm.SALM
+    assert get_model("dummy").__name__ == "DummyLM", "lm-eval's own models stay registered"
+
+
+def test_loglikelihood_matches_direct_computation(salm, loaded):
+    w = Words(3)
+    long_context = " ".join(w.word() for _ in range(80))  # > 64 tokens: truncated from the left
+    pairs = [("The value of the attribute is", " returned"),
+             ("", "An empty context is replaced by the end-of-text token."),
+             ("Trailing spaces move to the continuation ", "here"),
+             (long_context, " and then"),
+             (w.sentence(5), " " + w.sentence(4)),
+             ("A", " " + " ".join(w.word() for _ in range(70))),  # continuation longer than the context window
+             (w.passage(1), " x")]
+    got = salm.loglikelihood(requests("loglikelihood", pairs))  # batch_size=3: padded batches of mixed lengths
+    assert len(salm.tok_encode(long_context)) > loaded.model.cfg.max_seq_len
+    for (context, continuation), (logprob, greedy) in zip(pairs, got):
+        want, want_greedy = direct_loglikelihood(loaded, context, continuation)
+        assert logprob == pytest.approx(want, abs=2e-4, rel=1e-5), (context[:30], continuation[:30])
+        assert greedy == want_greedy
+        assert logprob < 0
+
+
+def test_scores_do_not_depend_on_batching(loaded):
+    from evaluation.lm import SALM
+
+    pairs = [(Words(s).passage(1), " " + Words(s + 9).word()) for s in range(5)]
+    one = SALM(loaded=loaded, batch_size=1, device="cpu").loglikelihood(requests("loglikelihood", pairs))
+    five = SALM(loaded=loaded, batch_size=5, device="cpu").loglikelihood(requests("loglikelihood", pairs))
+    for (a, _), (b, _) in zip(one, five):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_rolling_loglikelihood_matches_direct_computation(salm, loaded):
+    w = Words(4)
+    texts = [w.passage(12), w.sentence(3), w.passage(5)]  # several windows, one window, a few
+    assert len(salm.tok_encode(texts[0])) > 3 * loaded.model.cfg.max_seq_len
+    got = salm.loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in texts]))
+    for text, logprob in zip(texts, got):
+        assert logprob == pytest.approx(direct_rolling(loaded, text), abs=5e-4, rel=1e-5)
+
+
+def test_generate_until_is_greedy_and_stops(salm, loaded):
+    args = [("The value of the", {"until": ["\n"], "max_gen_toks": 6}),
+            ("Return the", {"until": [" the"], "max_gen_toks": 20, "do_sample": False})]
+    out = salm.generate_until(requests("generate_until", args))
+    assert len(out) == 2 and all(isinstance(o, str) for o in out)
+    assert " the" not in out[1]
+    # Greedy continuation of the first prompt, token by token, directly.
+    ids = loaded.tokenizer.encode("The value of the").ids
+    gen = []
+    for _ in range(6):
+        with torch.no_grad():
+            token = int(loaded.model(torch.tensor([ids + gen]))[0, -1].argmax())
+        if token == loaded.eos_id:
+            break
+        gen.append(token)
+        if "\n" in loaded.tokenizer.decode(gen):
+            break
+    assert out[0] == loaded.tokenizer.decode(gen).split("\n")[0]
+
+
+def test_model_args_from_the_lm_eval_command_line(tiny_ckpt):
+    from lm_eval.api.registry import get_model
+
+    lm = get_model("sa-lm").create_from_arg_string(f"checkpoint={tiny_ckpt.parent.parent},window=4,eval_seed=7",
+                                                   {"batch_size": 2, "device": "cuda"})
+    assert lm.model.attn_cfg.window == 4 and lm.eval_seed == 7 and lm.batch_size == 2
+    assert str(lm.device) == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="max_length"):
+        get_model("sa-lm").create_from_arg_string(f"checkpoint={tiny_ckpt},max_length=1000")
+
+
+# ---------------------------------------------------------------------------------------------- local tasks
+def test_wikitext_pages_split_like_document_level_wikitext(evaldata):
+    from evaluation.local_tasks import wikitext_pages
+
+    folder, _, articles = evaldata
+    pages = [d["page"] for d in wikitext_pages((folder / "wikitext-2-raw" / "wiki.test.raw").read_text())]
+    want = ["\n".join(a) for a in articles[:-1]] + ["\n".join(articles[-1] + [""])]
+    assert pages == want
+
+
+def _requests_of(task) -> list[tuple]:
+    task.build_all_requests(limit=None, rank=0, world_size=1)
+    return [(inst.doc_id, inst.idx, inst.args, str(task.doc_to_target(inst.doc))) for inst in task.instances]
+
+
+def _official_task(task: str, docs: list[dict], folder: Path, tm):
+    """The official lm-eval task (its own YAML, functions and all) reading the truth documents."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from evaluation.local_tasks import SPECS, official_tasks_dir
+
+    official = (official_tasks_dir() / "mmlu" / "default" / f"{task}.yaml" if task.startswith("mmlu_")
+                else official_tasks_dir() / SPECS[task].official)
+    path = folder / f"{task}.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    config = load_yaml(official)
+    config.update(task=f"official_{task}", dataset_path="json", dataset_name=None, training_split=None,
+                  validation_split=None, test_split="test", fewshot_split=None,
+                  dataset_kwargs={"data_files": {"test": str(path)}, "cache_dir": str(folder / "hf")})
+    config.pop("tag", None)
+    return tm.load([config])["tasks"][f"official_{task}"]
+
+
+def test_local_tasks_build_the_official_requests(evaldata, tmp_path):
+    """Local files -> our converters -> lm-eval requests == the official task config on the original documents."""
+    from lm_eval.tasks import TaskManager
+
+    from evaluation.local_tasks import write_local_tasks
+
+    folder, truth, _ = evaldata
+    local = write_local_tasks(folder, ALL_TASKS, tmp_path / "tasks", cache_dir=tmp_path / "hf")
+    assert not local.missing and set(local.available) == set(ALL_TASKS)
+    assert local.notes == ["mmlu: 2/57 subjects found in " + str(folder.resolve() / "mmlu" / "test")]
+    tm = TaskManager(include_path=str(local.task_dir), include_defaults=False)
+    loaded = tm.load([t for t in ALL_TASKS if t not in ("wikitext", "mmlu")] + ["mmlu_anatomy"])["tasks"]
+    official_tm = TaskManager(include_defaults=False)
+    for task, ours in loaded.items():
+        docs = truth["mmlu"][:6] if task == "mmlu_anatomy" else truth[task]
+        official = _official_task(task, docs, tmp_path, official_tm)
+        assert _requests_of(ours) == _requests_of(official), task
+        assert len(ours.eval_docs) == len(docs)
+
+
+def test_every_local_task_scores_a_few_examples(salm, evaldata, tmp_path):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from evaluation.local_tasks import write_local_tasks
+    from evaluation.report import METRICS, extract
+
+    folder, _, _ = evaldata
+    local = write_local_tasks(folder, ALL_TASKS, tmp_path / "tasks", cache_dir=tmp_path / "hf")
+    tm = TaskManager(include_path=str(local.task_dir), include_defaults=False)
+    results = lm_eval.simple_evaluate(model=salm, tasks=ALL_TASKS, task_manager=tm, limit=3, bootstrap_iters=0)
+    got = extract(results, ALL_TASKS)
+    for task in ALL_TASKS:
+        for metric in METRICS[task]:
+            value = got[task][metric]["value"]
+            assert value is not None and math.isfinite(value), (task, metric)
+            if metric.startswith("acc"):
+                assert 0.0 <= value <= 1.0
+    assert results["n-samples"]["piqa"]["effective"] == 3
+
+
+def _local_lm_eval(salm, folder: Path, tasks: list[str], tmp_path: Path, limit=None) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from evaluation.local_tasks import write_local_tasks
+
+    local = write_local_tasks(folder, tasks, tmp_path / "tasks", cache_dir=tmp_path / "hf")
+    tm = TaskManager(include_path=str(local.task_dir), include_defaults=False)
+    return lm_eval.simple_evaluate(model=salm, tasks=tasks, task_manager=tm, limit=limit, bootstrap_iters=0)
+
+
+def test_wikitext_and_lambada_through_lm_eval_equal_a_direct_implementation(salm, loaded, tmp_path):
+    from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
+
+    truth = make_truth(n=50, seed=5)
+    articles = wiki_articles(50, seed=6)
+    folder = write_evaldata(tmp_path / "evaldata", truth, articles)
+    results = _local_lm_eval(salm, folder, ["wikitext", "lambada_openai"], tmp_path)["results"]
+
+    pages = ["\n".join(a) for a in articles[:-1]] + ["\n".join(articles[-1] + [""])]
+    logprob = sum(direct_rolling(loaded, wikitext_detokenizer({"page": p})) for p in pages)
+    words = sum(len(re.split(r"\s+", p)) for p in pages)
+    n_bytes = sum(len(p.encode()) for p in pages)
+    wiki = results["wikitext"]
+    assert wiki["word_perplexity,none"] == pytest.approx(math.exp(-logprob / words), rel=1e-4)
+    assert wiki["byte_perplexity,none"] == pytest.approx(math.exp(-logprob / n_bytes), rel=1e-4)
+    assert wiki["bits_per_byte,none"] == pytest.approx(-logprob / n_bytes / math.log(2), rel=1e-4)
+
+    scores = []
+    for doc in truth["lambada_openai"]:
+        context, target = doc["text"].rsplit(" ", 1)
+        scores.append(direct_loglikelihood(loaded, context, " " + target))
+    lmb = results["lambada_openai"]
+    assert lmb["perplexity,none"] == pytest.approx(math.exp(-sum(s for s, _ in scores) / len(scores)), rel=1e-4)
+    assert lmb["acc,none"] == pytest.approx(sum(g for _, g in scores) / len(scores))
+
+
+def head_copy(src: Path, dst: Path, n: int, mmlu_subjects: int = 3) -> Path:
+    """The first n examples of every file of an evaldata folder, in the same formats (n articles of WikiText)."""
+    for path in sorted(p for p in src.rglob("*") if p.is_file()):
+        rel = path.relative_to(src)
+        if rel.parts[0] in ("pretrain_gutenberg", "wikitext-2") or path.suffix == ".md":
+            continue
+        out = dst / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if path.name == "wiki.test.raw":
+            lines, kept, articles = path.read_text(encoding="utf-8").split("\n"), [], 0
+            for line in lines:
+                articles += bool(re.fullmatch(r" = [^=].* = ", line))
+                if articles > n:
+                    break
+                kept.append(line)
+            out.write_text("\n".join(kept) + "\n", encoding="utf-8")
+        elif path.suffix == ".bz2":
+            with bz2.open(path, "rt", encoding="utf-8") as f:
+                head = [next(f) for _ in range(6 * n)]
+            with bz2.open(out, "wt", encoding="utf-8") as f:
+                f.writelines(head)
+        elif path.suffix == ".csv":
+            if rel.parts[0] == "mmlu" and sorted(path.parent.iterdir()).index(path) >= mmlu_subjects:
+                continue
+            with open(path, encoding="utf-8", newline="") as f:
+                rows = list(csv.reader(f))[: n + 1]
+            with open(out, "w", encoding="utf-8", newline="") as f:
+                csv.writer(f).writerows(rows)
+        else:  # jsonl, lst, tsv (one example per line; tsv with a header)
+            with open(path, encoding="utf-8") as f:
+                head = [line for _, line in zip(range(n + (path.suffix == ".tsv")), f)]
+            out.write_text("".join(head), encoding="utf-8")
+    return dst
+
+
+@pytest.mark.skipif(not REAL_EVALDATA.is_dir(), reason=f"{REAL_EVALDATA} not present")
+def test_local_tasks_on_the_real_evaldata(loaded, tmp_path):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from evaluation.lm import SALM
+    from evaluation.local_tasks import SPECS, write_local_tasks
+    from evaluation.report import METRICS, extract
+
+    # Every converter reads the whole real file (the example counts of the SOURCE.md files) ...
+    sizes = {"wikitext": 62, "lambada_openai": 5153, "piqa": 1838, "hellaswag": 10042, "winogrande": 1267,
+             "arc_easy": 2376, "arc_challenge": 1172, "boolq": 3270, "openbookqa": 500, "social_iqa": 1954}
+    for task, size in sizes.items():
+        assert len(SPECS[task].docs(REAL_EVALDATA)) == size, task
+    # ... and lm-eval scores the first 20 examples of each (WikiText: articles; MMLU: of 3 subjects).
+    folder = head_copy(REAL_EVALDATA, tmp_path / "evaldata", 20)
+    local = write_local_tasks(folder, ALL_TASKS, tmp_path / "tasks", cache_dir=tmp_path / "hf")
+    present = [t for t in ALL_TASKS if t in local.available]
+    assert set(ALL_TASKS) - set(present) <= {"lambada_standard"}, local.missing  # lambada_standard: not in the copy
+    tm = TaskManager(include_path=str(local.task_dir), include_defaults=False)
+    lm = SALM(loaded=loaded, batch_size=32, device="cpu")
+    results = lm_eval.simple_evaluate(model=lm, tasks=present, task_manager=tm, limit=20, bootstrap_iters=0)
+    got = extract(results, present)
+    for task in present:
+        for metric in METRICS[task]:
+            assert got[task][metric]["value"] is not None and math.isfinite(got[task][metric]["value"]), task
+        if task != "mmlu":
+            assert results["n-samples"][task]["effective"] == 20, task
+    assert results["n-samples"]["mmlu_anatomy"]["effective"] == 20
+
+
+# ---------------------------------------------------------------------------------------------- suites, CLIs
+def test_evaluate_checkpoint_writes_json_and_table_with_seed_spread(tiny_ckpt, evaldata, tmp_path, capsys):
+    from evaluation import evaluate_checkpoint
+
+    folder, _, _ = evaldata
+    cfg = {"name": "paper", "tasks": ["wikitext", "lambada_openai", "lambada_standard", "piqa", "hellaswag"],
+           "data_dir": str(folder), "limit": 4, "num_seeds": 2, "batch_size": 4, "device": "cpu",
+           "task_dir": str(tmp_path / "tasks")}
+    summary = evaluate_checkpoint(tiny_ckpt, cfg, {"window": 4}, tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["seeds"] == [0, 1] and saved["attention"]["window"] == 4 and saved["attention"]["kind"] == "sa"
+    assert saved["lm_eval_version"] and saved["dtype"] == "float32" and saved["batch_size"] == 4
+    assert saved["checkpoint"] == str(tiny_ckpt)
+    rows = {(r["task"], r["metric"]): r for r in saved["results"]}
+    assert {("wikitext", "word_perplexity"), ("lambada_openai", "acc"), ("hellaswag", "acc_norm")} <= set(rows)
+    assert len(rows[("lambada_openai", "perplexity")]["per_seed"]) == 2
+    assert rows[("lambada_openai", "perplexity")]["std"] > 0, "SA seeds give different permutations"
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert table.splitlines()[0].startswith("| Model | Wiki ppl ↓ | LMB ppl ↓ | LMB acc ↑ |")
+    assert "Avg ↑" in table.splitlines()[0] and "±" in table
+    assert (tmp_path / "out" / "lm_eval" / "seed1.json").is_file()
+    assert summary["avg_acc"]["tasks"] == ["lambada_openai/acc", "lambada_standard/acc", "piqa/acc_norm",
+                                           "hellaswag/acc_norm"]
+
+
+def test_unreachable_data_is_one_line_and_not_an_error(tiny_ckpt, evaldata, tmp_path, capsys):
+    from evaluation import evaluate_checkpoint
+
+    folder, _, _ = evaldata
+    partial = tmp_path / "partial"
+    (partial / "lambada_openai").mkdir(parents=True)
+    (partial / "lambada_openai" / "lambada_test.jsonl").write_text(
+        (folder / "lambada_openai" / "lambada_test.jsonl").read_text())
+    cfg = {"tasks": ["lambada_openai", "lambada_standard", "piqa"], "data_dir": str(partial), "limit": 3,
+           "task_dir": str(tmp_path / "tasks")}
+    summary = evaluate_checkpoint(tiny_ckpt, cfg, None, tmp_path / "out")
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("eval: skipping")]
+    assert len(err) == 1 and "lambada_standard" in err[0] and "piqa" in err[0] and "fix:" in err[0]
+    assert set(summary["skipped"]) == {"lambada_standard", "piqa"}
+    assert summary["by_task"]["lambada_openai"]["acc"]["value"] is not None
+    # No data at all: still no exception, an empty result.
+    nothing = evaluate_checkpoint(tiny_ckpt, {"tasks": ["piqa"], "data_dir": None}, None, tmp_path / "none")
+    assert nothing["results"] == [] and "piqa" in nothing["skipped"]
+
+
+def _run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
+           "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_evaluate_py_on_a_run_directory(tiny_ckpt, evaldata, tmp_path):
+    folder, _, _ = evaldata
+    run_dir = tiny_ckpt.parent.parent
+    proc = _run([str(ROOT / "evaluate.py"), f"ckpt={run_dir}", "eval=quick", f"eval.data_dir={folder}",
+                 "eval.limit=3", f"eval.task_dir={tmp_path / 'tasks'}", "attention.backend=torch"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| Model | Wiki ppl ↓ | LMB ppl ↓ | LMB acc ↑ |" in proc.stdout
+    [out] = sorted((run_dir / "eval").glob("quick-*"))
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["attention"]["backend"] == "torch" and saved["limit"] == 3
+    assert (out / ".hydra" / "config.yaml").is_file()
+
+
+def test_evaluate_py_reports_a_missing_checkpoint(tmp_path):
+    proc = _run([str(ROOT / "evaluate.py"), f"ckpt={tmp_path / 'nope'}", f"out_dir={tmp_path / 'o'}"], tmp_path)
+    assert proc.returncode == 2 and "error: no checkpoint" in proc.stderr
+
+
+def test_lm_eval_cli_runs_sa_lm_on_a_local_task(tiny_ckpt, evaldata, tmp_path):
+    folder, _, _ = evaldata
+    proc = _run(["-m", "evaluation.lm_eval_cli", "--model", "sa-lm", "--model_args", f"checkpoint={tiny_ckpt}",
+                 "--tasks", "lambada_openai", "--data_dir", str(folder), "--limit", "4", "--batch_size", "2",
+                 "--output_path", str(tmp_path / "out")], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lambada_openai" in proc.stdout and "perplexity" in proc.stdout
+    [saved] = list((tmp_path / "out").rglob("results_*.json"))
+    assert "acc,none" in json.loads(saved.read_text())["results"]["lambada_openai"]
