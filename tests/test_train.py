@@ -134,3 +134,27 @@ def test_triton_backend_trains_like_torch_backend(attention, tmp_path, corpus_fi
     assert sorted(losses["triton"]) == [0, 1, 2]
     for step, value in losses["torch"].items():
         assert abs(losses["triton"][step] - value) <= 1e-4, step
+
+
+def test_training_ends_with_the_evaluation_suite(tmp_path, corpus_file, data_cache, capsys):
+    """eval.after_train: the final checkpoint is scored offline; the numbers land in the run's CSV log too."""
+    from test_evaluation import make_truth, wiki_articles, write_evaldata
+
+    evaldata = write_evaldata(tmp_path / "evaldata", make_truth(), wiki_articles(3))
+    cfg = compose_train(TINY + ["trainer.max_steps=4", "trainer.val_every_n_steps=4", "eval.after_train=true",
+                                f"eval.data_dir={evaldata}", "eval.limit=4", f"eval.task_dir={tmp_path / 'tasks'}"],
+                        tmp_path / "run", corpus_file, data_cache)
+    metrics = train(cfg)
+    results = tmp_path / "run" / "eval" / "quick" / "results.json"
+    assert results.is_file() and (results.parent / "results.md").is_file()
+    assert "eval/lambada_openai/acc" in metrics and "eval/wikitext/word_perplexity" in metrics
+    assert "eval/wikitext/word_perplexity" in read_metrics(tmp_path / "run")
+
+
+def test_training_without_eval_data_still_succeeds(tmp_path, corpus_file, data_cache, capsys):
+    cfg = compose_train(TINY + ["trainer.max_steps=2", "trainer.val_every_n_steps=2", "eval.after_train=true"],
+                        tmp_path / "run", corpus_file, data_cache)
+    metrics = train(cfg)
+    err = capsys.readouterr().err
+    assert "eval.data_dir" in err and "held-out perplexity" in err
+    assert "val/ppl" in metrics
