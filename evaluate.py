@@ -32,7 +32,7 @@ def eval_out_dir(ckpt, out_dir, suite, stamp) -> str:
     """hydra.run.dir: out_dir if given, else <run dir>/eval/<suite>-<timestamp> (runs/eval/... for a missing ckpt)."""
     if out_dir not in (None, ""):
         return str(out_dir)
-    base = run_dir_of(ckpt) / "eval" if Path(str(ckpt)).exists() else Path("runs") / "eval"
+    base = run_dir_of(ckpt) / "eval" if ckpt and Path(str(ckpt)).exists() else Path("runs") / "eval"
     return str(base / f"{suite}-{stamp}")
 
 
@@ -52,7 +52,13 @@ def main(cfg: DictConfig):
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     eval_cfg = OmegaConf.to_container(cfg.eval, resolve=True)
-    attention = {k: v for k, v in OmegaConf.to_container(cfg.attention, resolve=True).items() if v is not None}
+    attention = {k: v for k, v in OmegaConf.to_container(cfg.attention, resolve=True).items()
+                 if v is not None and k in ("kind", "window", "backend", "eval_seed")}
+    if cfg.model.hf:
+        return evaluate_hf_model(cfg.model.hf, eval_cfg, attention, out_dir)
+    if not cfg.ckpt:
+        print("error: give ckpt=<run dir or .ckpt file> (or model.hf=<HuggingFace model>)", file=sys.stderr)
+        sys.exit(2)
     try:
         summary = evaluate_checkpoint(cfg.ckpt, eval_cfg, attention, out_dir)
     except (FileNotFoundError, ConfigError) as err:
@@ -62,6 +68,39 @@ def main(cfg: DictConfig):
     print(f"results: {summary['json']}\n         {summary['markdown']}\n"
           f"time   : {summary['seconds_total']:.0f} s ({len(summary['seeds'])} seed(s))")
     return summary.get("avg_acc", {}) and summary["avg_acc"]["value"]
+
+
+def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path):
+    """A pretrained HuggingFace model with SA / SWA / MoBA at prefill (weights untouched), through lm-eval's HFLM."""
+    import json
+
+    from lm_eval.utils import handle_non_serializable
+
+    from hf.lm_eval_runner import evaluate_hf, primary_scores
+
+    kind = attention.get("kind", "full")
+    if kind not in ("full", "swa", "sa", "moba"):
+        print(f"error: attention.kind={kind!r} is not available for HuggingFace models (full, swa, sa, moba)",
+              file=sys.stderr)
+        sys.exit(2)
+    results = evaluate_hf(name, kind, attention.get("window"), eval_cfg["tasks"],
+                          batch_size=eval_cfg.get("batch_size", 8), limit=eval_cfg.get("limit"),
+                          device=eval_cfg.get("device", "auto"), seed=attention.get("eval_seed", 0),
+                          dtype=eval_cfg.get("dtype", "auto"), backend=attention.get("backend", "auto"),
+                          data_dir=eval_cfg.get("data_dir"), max_length=eval_cfg.get("max_length"),
+                          bootstrap_iters=eval_cfg.get("bootstrap_iters", 1000))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=handle_non_serializable))
+    scores = primary_scores(results)
+    lines = ["| model | attention | w_eff | " + " | ".join(scores) + " |", "|---|---|---|" + "---|" * len(scores),
+             f"| {name} | {kind} | {attention.get('window', '-')} | " + " | ".join(f"{v:.1f}" for v in scores.values()) + " |"]
+    for task, metrics in (results.get("results") or {}).items():
+        for key in ("perplexity,none", "word_perplexity,none"):
+            if isinstance(metrics.get(key), (int, float)):
+                lines.append(f"{task} {key.split(',')[0]}: {metrics[key]:.3f}")
+    (out_dir / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines) + f"\nresults: {out_dir / 'results.json'}")
+    return None
 
 
 if __name__ == "__main__":

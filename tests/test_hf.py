@@ -4,6 +4,8 @@ Needs the `hf` extra (transformers); skipped without it. No weights are download
 """
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,3 +300,24 @@ def test_hf_package_does_not_import_transformers():
     code = ("import sys; sys.modules['transformers'] = None; import hf, hf.attention, hf.patch, hf.lm_eval_runner; "
             "assert hf.PrefillSettings('sa', 8).window == 8")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("conftest").ROOT))
+
+
+def test_evaluate_py_runs_a_patched_hf_model_offline(saved_model, tmp_path):
+    """The command of the issue: evaluate.py model.hf=<local dir> attention=sa attention.window=... eval=quick."""
+    import subprocess
+    import sys
+
+    from test_evaluation import make_truth, wiki_articles, write_evaldata
+
+    evaldata = write_evaldata(tmp_path / "evaldata", make_truth(), wiki_articles(2))
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run(
+        [sys.executable, str(root / "evaluate.py"), f"model.hf={saved_model[0]}", "attention=sa",
+         "attention.window=8", "eval=quick", f"eval.data_dir={evaldata}", "eval.limit=3", "eval.device=cpu",
+         f"eval.task_dir={tmp_path / 'tasks'}", f"out_dir={tmp_path / 'out'}"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["sa_prefill"]["kind"] == "sa" and results["sa_prefill"]["window"] == 8
+    assert "lambada_openai" in results["results"] and "wikitext" in results["results"]
