@@ -44,8 +44,28 @@ class TaskPlan:
 
 
 def _hub_offline() -> bool:
-    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on")
-               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    if any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return True
+    return not _hub_reachable()
+
+
+_HUB_REACHABLE: bool | None = None
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """One quick connection attempt, so a machine without network skips hub tasks at once instead of retrying."""
+    global _HUB_REACHABLE
+    if _HUB_REACHABLE is None:
+        import socket
+        from urllib.parse import urlparse
+
+        host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+        try:
+            socket.create_connection((host, 443), timeout=timeout).close()
+            _HUB_REACHABLE = True
+        except OSError:
+            _HUB_REACHABLE = False
+    return _HUB_REACHABLE
 
 
 def official_dirs(tasks: list[str]) -> list[Path] | None:
@@ -90,8 +110,12 @@ def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Pa
         dirs = official_dirs(hub)
         plan.task_manager = TaskManager(include_path=[*map(str, dirs or []), *local_dirs] or None,
                                         include_defaults=dirs is None)
+        offline = _hub_offline()
         for name in hub:
             here = local.missing.get(name) if local is not None else "eval.data_dir is not set"
+            if offline:  # don't let datasets retry a hub it cannot reach (minutes of back-off per task)
+                plan.skipped[name] = f"{here}; HF hub offline or unreachable" if here else "HF hub offline or unreachable"
+                continue
             try:
                 plan.task_manager.load([name])
                 plan.source[name] = "hub"

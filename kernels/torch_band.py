@@ -6,8 +6,8 @@ Storage slots are cut into query blocks of `block` rows; block b sees the key sl
 scores never leave the fused kernel (docs/performance.md: materialised scores are ~5x slower on CPU).
 
 The backward is written by hand (autograd.Function) for two reasons: the overlapping span gradients are folded back
-with a few strided adds instead of autograd's generic as_strided/unfold backward, and moving rows through pi
-backwards is a gather with the inverse permutation instead of a zero-fill plus scatter-add.
+with a few strided adds instead of autograd's generic as_strided/unfold backward, and rows move through pi by
+gathering straight into the buffers that are written anyway (index_select with out=), never through an extra copy.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.order import inverse_permutation, storage_positions
+from kernels.order import gather_rows, inverse_permutation, storage_positions
 
 _sdpa_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _sdpa_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -45,49 +45,38 @@ def _block_masks(pos: torch.Tensor, n: int, left: int, right: int, block: int, n
     return mask[:, :, None]
 
 
-class _PermuteRows(torch.autograd.Function):
-    """x [B, H, n, D] -> rows reordered by `index` ([n] or [B, n]); the backward gathers with `inverse`."""
-
-    @staticmethod
-    def forward(ctx, x, index, inverse):
-        ctx.save_for_backward(inverse)
-        return _gather(x, index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        return _gather(grad, inverse), None, None
-
-
-def _gather(x, index):
-    if index.dim() == 1:
-        return x.index_select(2, index)
-    return torch.stack([x[b].index_select(1, index[b]) for b in range(x.shape[0])])
-
-
 class _BandedSDPA(torch.autograd.Function):
-    """Banded attention over storage order: q, k, v [B, H, n, D] (same H), mask from _block_masks."""
+    """Banded attention with rows moved through pi on the fly.
+
+    q, k, v [B, H, n, D] (same H) in ORIGINAL order; perm / inv: storage -> original order and back ([n], [B, n] or
+    None). Rows are gathered straight into the padded buffers the fused kernel reads, and results are gathered
+    straight into the output, so a permutation costs no extra pass over memory in either direction.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, left: int, right: int, block: int, scale):
+    def forward(ctx, q, k, v, mask, perm, inv, left: int, right: int, block: int, scale):
         B, H, n, D = q.shape
         nb = math.ceil(n / block)
         span, Lq, Lk = block + left + right, nb * block, nb * block + left + right
+        out = q.new_empty(B, H, n, D)
         outs, lses = [], []
         for b in range(B):
-            qb, kb, vb = _padded(q[b], 0, Lq - n), _padded(k[b], left, Lk - n - left), _padded(v[b], left, Lk - n - left)
+            p, ip = _row(perm, b), _row(inv, b)
+            qb = _gather_padded(q[b], p, 0, Lq - n)
+            kb, vb = (_gather_padded(t[b], p, left, Lk - n - left) for t in (k, v))
             o, lse = _sdpa_fwd(_q_view(qb, block), _k_view(kb, block, span), _k_view(vb, block, span), 0.0, False,
                                attn_mask=_mask_for(mask, b, H), scale=scale)
+            # o is [nb, H, block, D] laid out as [H, nb*block, D]: reading it in that layout is free.
+            _gather_into(out[b], o.transpose(0, 1).reshape(H, Lq, D), ip, dim=1)
             outs.append(o)
             lses.append(lse)
-        ctx.save_for_backward(q, k, v, mask, *outs, *lses)
+        ctx.save_for_backward(q, k, v, mask, perm, inv, *outs, *lses)
         ctx.shape = (left, right, block, scale)
-        # o is [nb, H, block, D] laid out as [H, nb*block, D]: reading it back in that layout is free.
-        return torch.stack([o.transpose(0, 1).reshape(H, Lq, D)[:, :n] for o in outs])
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, mask, *rest = ctx.saved_tensors
+        q, k, v, mask, perm, inv, *rest = ctx.saved_tensors
         left, right, block, scale = ctx.shape
         B, H, n, D = q.shape
         outs, lses = rest[:B], rest[B:]
@@ -95,26 +84,42 @@ class _BandedSDPA(torch.autograd.Function):
         span, Lq, Lk = block + left + right, nb * block, nb * block + left + right
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for b in range(B):
-            qb, kb, vb = _padded(q[b], 0, Lq - n), _padded(k[b], left, Lk - n - left), _padded(v[b], left, Lk - n - left)
-            go = _padded(grad_out[b], 0, Lq - n)
+            p, ip = _row(perm, b), _row(inv, b)
+            qb, go = _gather_padded(q[b], p, 0, Lq - n), _gather_padded(grad_out[b], p, 0, Lq - n)
+            kb, vb = (_gather_padded(t[b], p, left, Lk - n - left) for t in (k, v))
             gq, gk, gv = _sdpa_bwd(_q_view(go, block), _q_view(qb, block), _k_view(kb, block, span),
                                    _k_view(vb, block, span), outs[b], lses[b], 0.0, False,
                                    attn_mask=_mask_for(mask, b, H), scale=scale)
-            dq[b] = gq.transpose(0, 1).reshape(H, Lq, D)[:, :n]
-            dk[b] = _fold_spans(gk, block, Lk)[:, left : left + n]
-            dv[b] = _fold_spans(gv, block, Lk)[:, left : left + n]
-        return dq, dk, dv, None, None, None, None, None
+            # gq is [nb, H, block, D] laid out slot-major: as [Lq, H, D] it is a view.
+            _gather_into(dq[b].transpose(0, 1), gq.transpose(1, 2).reshape(Lq, H, D), ip, dim=0)
+            _gather_into(dk[b], _fold_spans(gk, block, Lk)[:, left : left + n], ip, dim=1)
+            _gather_into(dv[b], _fold_spans(gv, block, Lk)[:, left : left + n], ip, dim=1)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def _padded(x, before: int, after: int):
-    """[H, n, D] -> [H, before + n + after, D], contiguous; only the pad rows are zero-filled."""
-    if not (before or after):
+def _row(index, b: int):
+    if index is None:
+        return None
+    return index[b] if index.dim() == 2 else index
+
+
+def _gather_into(dst, src, index, dim: int):
+    """dst <- src rows `index` along dim (or the first rows of src when index is None), without a temporary."""
+    if index is None:
+        dst.copy_(src.narrow(dim, 0, dst.shape[dim]))
+    else:
+        torch.index_select(src, dim, index, out=dst)
+
+
+def _gather_padded(x, index, before: int, after: int):
+    """[H, n, D] (rows in `index` order when given) -> [H, before + n + after, D]; only pad rows are zero-filled."""
+    if index is None and not (before or after):
         return x.contiguous()
     H, n, D = x.shape
     out = x.new_empty(H, before + n + after, D)
     out[:, :before].zero_()
     out[:, before + n :].zero_()
-    out[:, before : before + n].copy_(x)
+    _gather_into(out[:, before : before + n], x, index, dim=1)
     return out
 
 
@@ -168,15 +173,17 @@ def torch_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None
     if Hq != Hkv:  # the fused CPU kernel has no GQA: expand here (the Triton kernel never does)
         k = k.repeat_interleave(Hq // Hkv, dim=1)
         v = v.repeat_interleave(Hq // Hkv, dim=1)
+    inv = None
     if perm is not None:
         perm = perm.to(q.device, torch.long)
         inv = inverse_permutation(perm)
-        q, k, v = (_PermuteRows.apply(t, perm, inv) for t in (q, k, v))
     block = block or _block_size(n, left, right)
     n_blocks = math.ceil(n / block)
     mask = _block_masks(storage_positions(perm, n, q.device), n, left, right, block, n_blocks, q.dtype)
     if q.device.type == "cpu":
-        out = _BandedSDPA.apply(q, k, v, mask, left, right, block, scale)
-    else:  # other devices: the same layout through the public SDPA and autograd (the Triton backend is faster there)
-        out = _banded_sdpa_autograd(q, k, v, mask, left, right, block, scale)
-    return out if perm is None else _PermuteRows.apply(out, inv, perm)
+        return _BandedSDPA.apply(q, k, v, mask, perm, inv, left, right, block, scale)
+    # Other devices: the same layout through the public SDPA and autograd (the Triton backend is faster there).
+    if perm is not None:
+        q, k, v = (gather_rows(t, perm) for t in (q, k, v))
+    out = _banded_sdpa_autograd(q, k, v, mask, left, right, block, scale)
+    return out if perm is None else gather_rows(out, inv)
