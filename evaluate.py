@@ -1,7 +1,7 @@
 """Evaluate a trained checkpoint with lm-evaluation-harness (suites in conf/eval/).
 
     python evaluate.py ckpt=runs/train/<run>                                        # quick: WikiText + LAMBADA
-    python evaluate.py ckpt=runs/train/<run> eval=paper eval.data_dir=/work/shared/evaldata   # offline, Table 1
+    python evaluate.py ckpt=runs/train/<run> eval=paper eval.data_dir=/path/to/evaldata   # offline, Table 1
     python evaluate.py ckpt=<file>.ckpt eval=full attention.window=64 eval.num_seeds=5 eval.limit=100
 
 Writes results.json, results.md and lm-eval's raw output per seed to <run dir>/eval/<suite>-<timestamp>/

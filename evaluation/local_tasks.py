@@ -25,7 +25,7 @@ so prompts, choices, targets, process_docs/process_results and metrics are lm-ev
     siqa/dev.jsonl (+ dev-labels.lst)            social_iqa
     mmlu/test/<subject>_test.csv (+ dev/)        mmlu             (header, 0-3 answer; 57 subject tasks + groups)
 
-``python -m evaluation.local_tasks --data_dir /work/shared/evaldata --out /tmp/sa_tasks`` writes a task folder for
+``python -m evaluation.local_tasks --data_dir /path/to/evaldata --out /tmp/sa_tasks`` writes a task folder for
 ``--include_path`` of the lm-eval CLI (see evaluation/lm_eval_cli.py).
 """
 

@@ -2,12 +2,12 @@
 
     from hf.lm_eval_runner import evaluate_hf
     results = evaluate_hf("Qwen/Qwen3-8B", "sa", 128, ["boolq", "arc_easy"], batch_size=16, limit=None,
-                          device="cuda", seed=0, dtype="bfloat16", data_dir="/work/shared/evaldata")
+                          device="cuda", seed=0, dtype="bfloat16", data_dir="/path/to/evaldata")
 
 The w_eff sweep of the paper (loads the model once, re-patches it per configuration, one JSON per configuration):
 
     python -m hf.lm_eval_runner --model Qwen/Qwen3-8B --kinds full,swa,sa,moba --windows 16,32,64,128,256,512 \
-        --tasks mmlu,boolq,hellaswag,lambada_openai,arc_easy,arc_challenge --data_dir /work/shared/evaldata \
+        --tasks mmlu,boolq,hellaswag,lambada_openai,arc_easy,arc_challenge --data_dir /path/to/evaldata \
         --dtype bfloat16 --batch_size 16 --out runs/hf_eval/qwen3_8b_weff
 
 The model class is lm-eval's own HFLM (`pretrained=<patched model object>, tokenizer=...`), subclassed only to hand
