@@ -17,7 +17,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.order import gather_rows, inverse_permutation, storage_positions
+from kernels.order import gather_rows, inverse_permutation, scatter_rows, storage_positions
+
+# Up to this many slots a dense masked SDPA call beats the blocked layout: the O(n^2) scores are cheap there, and one
+# fused call replaces a Python loop over the batch (evaluation batches of short sequences, small training contexts).
+DENSE_MAX_N = 512
 
 _sdpa_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _sdpa_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -166,6 +170,19 @@ def _banded_sdpa_autograd(q, k, v, mask, left: int, right: int, block: int, scal
     return torch.stack(outs)
 
 
+def _dense_masked(q, k, v, left: int, right: int, perm, scale):
+    """Short sequences: gather, one fused SDPA call with the dense band mask of docs/method.md, scatter back."""
+    from kernels.naive import band_mask
+
+    n = q.shape[2]
+    if perm is not None:
+        perm = perm.to(q.device, torch.long)
+        q, k, v = (gather_rows(t, perm) for t in (q, k, v))
+    mask = band_mask(storage_positions(perm, n, q.device), left, right)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None] if mask.dim() == 3 else mask, scale=scale)
+    return out if perm is None else scatter_rows(out, perm)
+
+
 def torch_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None, block: int | None = None):
     B, Hq, n, D = q.shape
     Hkv = k.shape[1]
@@ -173,6 +190,8 @@ def torch_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None
     if Hq != Hkv:  # the fused CPU kernel has no GQA: expand here (the Triton kernel never does)
         k = k.repeat_interleave(Hq // Hkv, dim=1)
         v = v.repeat_interleave(Hq // Hkv, dim=1)
+    if n <= DENSE_MAX_N:
+        return _dense_masked(q, k, v, left, right, perm, scale)
     inv = None
     if perm is not None:
         perm = perm.to(q.device, torch.long)

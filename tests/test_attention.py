@@ -45,6 +45,15 @@ def test_band_mask_matches_definition():
             assert m[i, j] == (i - 1 <= j <= i + 1 and pos[j] <= pos[i])
 
 
+@pytest.fixture(params=["dense-short", "blocked"])
+def torch_layout(request, monkeypatch):
+    """The torch backend has two layouts (dense mask for short sequences, blocked band): test both on every shape."""
+    import kernels.torch_band as torch_band
+
+    monkeypatch.setattr(torch_band, "DENSE_MAX_N", 512 if request.param == "dense-short" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("backend", ["torch"])
 @pytest.mark.parametrize(
     "B,Hq,Hkv,n,D,window,perm_kind",
@@ -60,7 +69,7 @@ def test_band_mask_matches_definition():
         (2, 8, 2, 300, 64, 37, "batch"),
     ],
 )
-def test_backend_matches_dense_reference(backend, B, Hq, Hkv, n, D, window, perm_kind):
+def test_backend_matches_dense_reference(backend, B, Hq, Hkv, n, D, window, perm_kind, torch_layout):
     q, k, v = make_qkv(B, Hq, Hkv, n, D, seed=n + window)
     perm = make_perm(perm_kind, B, n, seed=n)
     ref = dense_reference(q, k, v, window, perm)
@@ -76,7 +85,7 @@ def test_backend_matches_dense_reference(backend, B, Hq, Hkv, n, D, window, perm
             assert g.abs().max() <= 1e-5  # exactly zero in exact arithmetic
 
 
-def test_identity_permutation_with_causal_band_is_swa():
+def test_identity_permutation_with_causal_band_is_swa(torch_layout):
     q, k, v = make_qkv(2, 4, 2, 70, 16, seed=1)
     w = 9
     ident = torch.arange(70)
@@ -86,7 +95,7 @@ def test_identity_permutation_with_causal_band_is_swa():
         torch.testing.assert_close(sa, swa, rtol=0, atol=1e-6)
 
 
-def test_swa_with_window_at_least_n_is_full_attention():
+def test_swa_with_window_at_least_n_is_full_attention(torch_layout):
     q, k, v = make_qkv(2, 4, 4, 50, 16, seed=2)
     full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     for w in (50, 51, 1000):
