@@ -112,7 +112,7 @@ def train(cfg: DictConfig) -> dict:
     from model.config import ConfigError
     from model.lightning_module import LitDecoder
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # one message, one line (logs are grepped)
     run_dir = Path(cfg.paths.run_dir)
     ckpt_dir = run_dir / "checkpoints"
     L.seed_everything(cfg.seed, workers=True, verbose=False)
