@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from kernels.order import check_qkv
+
 BACKENDS = ("auto", "torch", "triton", "flex", "naive")
 
 
@@ -68,10 +70,7 @@ def banded_attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Banded attention. q [B,Hq,n,D], k/v [B,Hkv,n,D] in original order; perm None (SWA) or [n] / [B,n] (SA)."""
-    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"expected q [B,Hq,n,D] and k, v [B,Hkv,n,D]; got {tuple(q.shape)}, {tuple(k.shape)}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    check_qkv(q, k, v)
     n = q.shape[2]
     if perm is not None and (perm.shape[-1] != n or perm.dim() not in (1, 2)):
         raise ValueError(f"perm must have shape [n] or [B, n] with n={n}, got {tuple(perm.shape)}")

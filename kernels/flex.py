@@ -28,7 +28,7 @@ import warnings
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from kernels.order import gather_rows, scatter_rows
+from kernels.order import check_qkv, gather_rows, scatter_rows
 
 BLOCK_SIZE = 128  # FlexAttention's default sparse block size
 
@@ -154,10 +154,7 @@ def flex_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None,
     Eager flex is exact but materialises the n x n scores: only for tests at small sizes.
     """
     global _compile_failed
-    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"expected q [B,Hq,n,D] and k, v [B,Hkv,n,D]; got {tuple(q.shape)}, {tuple(k.shape)}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    check_qkv(q, k, v)
     if left < 0 or right < 0:
         raise ValueError(f"band must be non-negative (every query sees itself), got left={left}, right={right}")
     if q.device.type == "cpu" and any(t.requires_grad for t in (q, k, v)):

@@ -25,15 +25,14 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels.order import check_qkv
+
 # Elements of the gathered K (and V) per query chunk: 2^27 = 256 MiB in bf16.
 _GATHER_BUDGET = 1 << 27
 
 
 def _check(q, k, v, block_size: int, top_k: int):
-    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"expected q [B,Hq,n,D] and k, v [B,Hkv,n,D]; got {tuple(q.shape)}, {tuple(k.shape)}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    check_qkv(q, k, v)
     if block_size < 1 or top_k < 1:
         raise ValueError(f"block_size and top_k must be >= 1, got block_size={block_size}, top_k={top_k}")
 

@@ -31,3 +31,11 @@ def gather_rows(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 def scatter_rows(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """Inverse of gather_rows: storage order -> original order (a gather with the inverse permutation)."""
     return gather_rows(x, inverse_permutation(perm))
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The layout every attention op here takes: q [B, Hq, n, D], k / v [B, Hkv, n, D] with Hq a multiple of Hkv."""
+    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"expected q [B,Hq,n,D] and k, v [B,Hkv,n,D]; got {tuple(q.shape)}, {tuple(k.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
