@@ -1,7 +1,7 @@
 """Attention latency and memory: full (SDPA) vs SWA vs SA vs gated SA+SWA, per backend, side by side in one run.
 
     python -m bench.attention                      # CPU defaults (fp32, n up to 16384, ~5 min on 2 cores)
-    python -m bench.attention --n 2048 4096 8192 16384 32768 --dtype bf16   # GPU (backends triton, flex, torch)
+    python -m bench.attention                      # on a CUDA GPU: bf16, n up to 32768, backends triton and flex
 
 Prints a markdown table with the ratios SA/full and SA/SWA, writes CSV and a PNG plot to bench/results/.
 A backend whose output or gradients disagree with the dense reference on a small problem is not timed.
@@ -25,19 +25,17 @@ from kernels.naive import naive_banded_attention
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _sync(device):
+def time_call(fn, device, reps: int, grads=()) -> float:
+    """Median milliseconds. CUDA: triton's do_bench (CUDA events, L2 flushed between runs); CPU: wall clock."""
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        from triton.testing import do_bench
 
-
-def time_call(fn, device, reps: int) -> float:
+        return do_bench(fn, warmup=25, rep=max(100, 10 * reps), grad_to_none=list(grads), return_mode="median")
     fn()  # warm-up (compilation, autotuning, allocator)
-    _sync(device)
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
-        _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
@@ -96,24 +94,26 @@ def variants(backend: str, w: int, n: int, device):
     return {"full": full, "swa": swa, "sa": sa, "gated_sa_swa": gated}
 
 
-def run(args) -> list[dict]:
+def run(args, csv_path: Path | None = None) -> list[dict]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
-    backends = args.backends or (["triton", "flex", "torch"] if device.type == "cuda" else ["torch"])
+    backends = args.backends or (["triton", "flex"] if device.type == "cuda" else ["torch"])
     rows = []
     gates = {b: correctness_ok(b, device, dtype) for b in backends}
     for b, (ok, why) in gates.items():
         print(f"correctness gate {b}: {'ok' if ok else 'FAILED - not timed: ' + why}", flush=True)
-    full_done = set()
-    for n in args.n:
-        q = torch.randn(args.batch, args.heads, n, args.head_dim, device=device, dtype=dtype, requires_grad=True)
-        k = torch.randn_like(q, requires_grad=True)
-        v = torch.randn_like(q, requires_grad=True)
-        for backend in backends:
-            if not gates[backend][0]:
-                continue
+    inputs = {}
+    # backend-major: one backend's compilation (Triton autotuning, torch.compile of flex) is done before the next
+    # starts, and a run stopped half-way still holds complete tables for the backends it finished
+    for backend in [b for b in backends if gates[b][0]]:
+        for n in args.n:
+            if n not in inputs:
+                shape = (args.batch, args.heads, n, args.head_dim)
+                inputs[n] = [torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
+            q, k, v = inputs[n]
             for name, fn in variants(backend, args.window, n, device).items():
-                if name == "full" and (n in full_done or (args.full_max_n and n > args.full_max_n)):
+                if name == "full" and (any(r["n"] == n and r["variant"] == "full" for r in rows)
+                                       or (args.full_max_n and n > args.full_max_n)):
                     continue
                 with_grad = not (backend == "flex" and device.type == "cpu")
 
@@ -126,14 +126,18 @@ def run(args) -> list[dict]:
 
                 row = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                        "dtype": args.dtype, "n": n, "w": args.window, "variant": name,
-                       "backend": "sdpa" if name == "full" else backend,
-                       "fwd_ms": time_call(fwd, device, args.reps),
-                       "fwd_bwd_ms": time_call(fwd_bwd, device, args.reps) if with_grad else None,
-                       "peak_mb": peak_memory_mb(fwd_bwd if with_grad else fwd, device)}
-                if name == "full":
-                    full_done.add(n)
+                       "backend": "sdpa" if name == "full" else backend}
+                try:
+                    row["fwd_ms"] = time_call(fwd, device, args.reps)
+                    row["fwd_bwd_ms"] = time_call(fwd_bwd, device, args.reps, (q, k, v)) if with_grad else None
+                    row["peak_mb"] = peak_memory_mb(fwd_bwd if with_grad else fwd, device)
+                except Exception as err:  # noqa: BLE001 - one failing size must not lose the rest of the table
+                    print(f"n={n} {name} {backend}: FAILED {type(err).__name__}: {str(err)[:300]}", flush=True)
+                    continue
                 rows.append(row)
                 print(_fmt_row(row), flush=True)
+                if csv_path is not None:  # rewritten after every row: an interrupted run keeps what it measured
+                    write_csv(rows, csv_path)
     return rows
 
 
@@ -166,12 +170,18 @@ def ratios_table(rows) -> str:
     return "\n".join(lines)
 
 
-def save(rows, out_dir: Path, tag: str):
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / f"attention_{tag}.csv", "w", newline="") as f:
+def write_csv(rows, path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+    tmp.replace(path)
+
+
+def save(rows, out_dir: Path, tag: str):
+    write_csv(rows, out_dir / f"attention_{tag}.csv")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -208,8 +218,8 @@ def main():
     cuda = torch.cuda.is_available() and args.device != "cpu"
     args.n = args.n or ([2048, 4096, 8192, 16384, 32768] if cuda else [2048, 4096, 8192, 16384])
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
-    rows = run(args)
     tag = f"{'gpu' if cuda else 'cpu'}_{args.dtype}"
+    rows = run(args, args.out / f"attention_{tag}.csv")
     save(rows, args.out, tag)
     table = ratios_table(rows)
     print(f"\n{table}\n\nthreads={torch.get_num_threads()} torch={torch.__version__} "

@@ -14,9 +14,9 @@ Kernels (all fp32 accumulation, flash-attention online softmax, base-2 exponenti
                   group in registers (GQA without expanding K/V and without atomics: deterministic).
   _dq_kernel      grid (cdiv(n, BLOCK_M), B*Hq): one query tile, same key-tile range as the forward.
 
-Block sizes are autotuned on CUDA (key: n and left+right+1 rounded up to powers of two, head dim); under
-TRITON_INTERPRET=1 (CPU tests) one large-block config is used, since the interpreter's cost grows with
-programs x ops, not FLOPs.
+Block sizes are autotuned on CUDA (key: n and left+right+1 rounded up to powers of two, head dim; env
+SA_TRITON_AUTOTUNE=0 pins one config); under TRITON_INTERPRET=1 (CPU tests) one large-block config is used, since
+the interpreter's cost grows with programs x ops, not FLOPs.
 """
 
 from __future__ import annotations
@@ -300,7 +300,17 @@ _FWD_CONFIGS = _configs(
 _DQ_CONFIGS = _configs([(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)])
 _DKDV_CONFIGS = _configs([(64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)])
 
-if _INTERPRET:
+# SA_TRITON_AUTOTUNE=0 pins one config on CUDA too: GPU test runs compile each shape once instead of ~5 times.
+_AUTOTUNE = not _INTERPRET and os.environ.get("SA_TRITON_AUTOTUNE", "1") != "0"
+
+
+def _fixed_gpu_config(row_bytes: int) -> dict:
+    """The pinned config: 64-row tiles up to 256-byte rows (D=128 in 16-bit), then smaller ones (shared memory)."""
+    blk = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16
+    return {"BLOCK_M": blk, "BLOCK_N": blk, "num_warps": 4, "num_stages": 2}
+
+
+if not _AUTOTUNE:
     _fwd, _dq, _dkdv = _fwd_kernel, _dq_kernel, _dkdv_kernel
 else:
     _fwd = triton.autotune(_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_fwd_kernel)
@@ -320,9 +330,9 @@ def _tune_keys(n: int, left: int, right: int) -> tuple[int, int]:
     return triton.next_power_of_2(max(n, 1)), triton.next_power_of_2(left + right + 1)
 
 
-def _launch(kernel, grid_bh, args, kwargs, block_axis: str, n: int):
-    if _INTERPRET:
-        cfg = _interp_blocks(n)
+def _launch(kernel, grid_bh, args, kwargs, block_axis: str, n: int, row_bytes: int):
+    if not _AUTOTUNE:
+        cfg = _interp_blocks(n) if _INTERPRET else _fixed_gpu_config(row_bytes)
         kernel[(triton.cdiv(n, cfg[block_axis]), grid_bh)](*args, **kwargs, **cfg)
     else:
         kernel[lambda meta: (triton.cdiv(n, meta[block_axis]), grid_bh)](*args, **kwargs)
@@ -393,7 +403,7 @@ class _TritonBandedAttention(torch.autograd.Function):
                      *_strides(q), *_strides(k), *_strides(v), *_strides(o), spb,
                      n, left, right, Hq, scale * _LOG2E, *_tune_keys(n, left, right)),
                     dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HAS_PERM=perm_t is not None, UPCAST=upcast),
-                    "BLOCK_M", n,
+                    "BLOCK_M", n, block_d * q.element_size(),
                 )
         ctx.save_for_backward(q, k, v, o, lse, perm_t)
         ctx.band = (left, right, scale, spb)
@@ -426,14 +436,14 @@ class _TritonBandedAttention(torch.autograd.Function):
                 (q, k, v, do, lse, delta, dk, dv, perm_arg,
                  *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv), spb,
                  n, left, right, Hq, Hkv, scale * _LOG2E, scale, *_tune_keys(n, left, right)),
-                flags, "BLOCK_N", n,
+                flags, "BLOCK_N", n, block_d * q.element_size(),
             )
             _launch(
                 _dq, B * Hq,
                 (q, k, v, do, lse, delta, dq, perm_arg,
                  *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), spb,
                  n, left, right, Hq, scale * _LOG2E, scale, *_tune_keys(n, left, right)),
-                flags, "BLOCK_M", n,
+                flags, "BLOCK_M", n, block_d * q.element_size(),
             )
         return dq, dk, dv, None, None, None, None
 

@@ -1,0 +1,97 @@
+"""Whole-model training throughput per attention variant: forward + backward of the decoder, side by side in one run.
+
+    python -m bench.model                               # CPU: the small default model, n=256
+    python -m bench.model --model 360m --seq-len 2048 --batch 8   # GPU: the paper's shape (bf16 autocast)
+
+Times one training step without the optimizer (the part attention changes), median over steps after warm-up, and
+prints tokens/s and the step time relative to full attention. Writes bench/results/model_<device>.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from model.config import AttentionConfig, ModelConfig
+from model.decoder import Decoder
+
+SHAPES = {  # conf/model/*.yaml, repeated here so the benchmark runs without Hydra
+    "small": dict(vocab_size=8192, n_layers=4, d_model=256, n_heads=4, max_seq_len=256),
+    "360m": dict(vocab_size=32000, n_layers=24, d_model=1024, n_heads=16, ffn_hidden=2816, max_seq_len=2048,
+                 tie_embeddings=False),
+}
+
+
+def step_ms(model, tokens, device, steps: int, autocast: bool) -> float:
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # warm-up: compilation, autotuning, allocator
+        step()
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(SHAPES), default="small")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the model's context")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--variants", nargs="+", default=["full", "swa", "sa", "gated_sa_swa"])
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = ModelConfig(**SHAPES[args.model])
+    n = args.seq_len or cfg.max_seq_len
+    cfg.max_seq_len = max(cfg.max_seq_len, n)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, n + 1), device=device)
+    autocast = device.type == "cuda"
+    rows = []
+    for kind in args.variants:
+        torch.manual_seed(0)
+        model = Decoder(cfg, AttentionConfig(kind=kind, window=args.window, backend=args.backend)).to(device).train()
+        ms = step_ms(model, tokens, device, args.steps, autocast)
+        rows.append({"device": torch.cuda.get_device_name() if autocast else "cpu", "model": args.model,
+                     "params_m": round(model.num_parameters() / 1e6, 1), "batch": args.batch, "n": n,
+                     "w": args.window, "variant": kind, "backend": args.backend, "step_ms": round(ms, 2),
+                     "tokens_per_s": round(args.batch * n / ms * 1e3)})
+        print(rows[-1], flush=True)
+        del model
+    base = next((r["step_ms"] for r in rows if r["variant"] == "full"), None)
+    print(f"\n| variant | step ms (fwd+bwd) | tokens/s | vs full |\n|---|---|---|---|")
+    for r in rows:
+        rel = f"{r['step_ms'] / base:.3f}" if base else "-"
+        print(f"| {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,} | {rel} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"model_{'gpu' if autocast else 'cpu'}_{args.model}_n{n}.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"\n{args.model}: B={args.batch} n={n} w={args.window} device={rows[0]['device']} csv: {path}")
+
+
+if __name__ == "__main__":
+    main()
