@@ -1,0 +1,68 @@
+"""Where the time of one banded-attention call goes on a GPU: kernel time vs host (Python/launch) time.
+
+    python -m bench.profile_gpu [--n 2048 32768] [--backend triton]
+
+For each n: GPU time of each kernel (torch.profiler), host time of one call with no synchronisation (what the
+CPU spends issuing it), and the top Python functions by cumulative host time (cProfile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from kernels import banded_attention
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", type=int, nargs="+", default=[2048, 32768])
+    p.add_argument("--backend", default="triton")
+    p.add_argument("--window", type=int, default=256)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    for n in args.n:
+        q, k, v = (torch.randn(1, 16, n, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        perm = torch.randperm(n, device=dev)
+        do = torch.randn_like(q)
+
+        def step():
+            out = banded_attention(q, k, v, args.window, perm=perm, backend=args.backend)
+            out.backward(do)
+
+        def fwd():
+            with torch.no_grad():
+                banded_attention(q, k, v, args.window, perm=perm, backend=args.backend)
+
+        for fn in (step, fwd):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(20):
+                fn()
+            host = (time.perf_counter() - start) / 20 * 1e6
+            torch.cuda.synchronize()
+            total = (time.perf_counter() - start) / 20 * 1e6
+            print(f"n={n} {fn.__name__}: host issue time {host:.0f} us/call, with the GPU drained {total:.0f} us/call")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(22)
+
+
+if __name__ == "__main__":
+    main()
