@@ -8,11 +8,11 @@ Kernels (all fp32 accumulation, flash-attention online softmax, base-2 exponenti
   _fwd_kernel     grid (cdiv(n, BLOCK_M), B*Hq): one query tile of storage slots; loops over the key tiles that
                   intersect the tile's band [start_m - left, end_m + right] only (O(n*w) work); writes O and the
                   log-sum-exp (base 2, indexed by original position) for the backward.
-  _delta_kernel   delta[b, h, t] = rowsum(dO * O) (original order; row-wise, so perm does not matter).
   _dkdv_kernel    grid (cdiv(n, BLOCK_N), B*Hkv): one key tile; loops over the Hq/Hkv query heads of its group and
                   the query tiles whose band reaches it ([start_n - right, end_n + left]); dk/dv summed over the
                   group in registers (GQA without expanding K/V and without atomics: deterministic).
-  _dq_kernel      grid (cdiv(n, BLOCK_M), B*Hq): one query tile, same key-tile range as the forward.
+  _dq_kernel      grid (cdiv(n, BLOCK_M), B*Hq): one query tile, same key-tile range as the forward; runs first
+                  and also writes delta = rowsum(dO * O) per query row for the dk/dv kernel (no separate launch).
 
 Block sizes are autotuned on CUDA (key: n and left+right+1 rounded up to powers of two, head dim; env
 SA_TRITON_AUTOTUNE=0 pins one config); under TRITON_INTERPRET=1 (CPU tests) one large-block config is used, since
@@ -128,26 +128,6 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _delta_kernel(
-    O, DO, DELTA,
-    sob, soh, son, sdb, sdh, sdn,
-    n, Hq,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < n) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :], mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + pid_bh.to(tl.int64) * n + offs_m, delta, mask=offs_m < n)
-
-
-@triton.jit
 def _dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, PERM,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
@@ -215,8 +195,8 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, PERM,
-    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn, sdqb, sdqh, sdqn, spb,
+    Q, K, V, O, DO, LSE, DELTA, DQ, PERM,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdb, sdh, sdn, sdqb, sdqh, sdqn, spb,
     n, left, right, Hq, qk_scale, sm_scale, n_key, band_key,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr,
@@ -237,7 +217,10 @@ def _dq_kernel(
     q = tl.load(Q + b * sqb + h * sqh + pos_m[:, None] * sqn + offs_d[None, :], mask=row_mask, other=0.0)
     do = tl.load(DO + b * sdb + h * sdh + pos_m[:, None] * sdn + offs_d[None, :], mask=row_mask, other=0.0)
     lse = tl.load(LSE + pid_bh.to(tl.int64) * n + pos_m, mask=m_valid, other=0.0)
-    delta = tl.load(DELTA + pid_bh.to(tl.int64) * n + pos_m, mask=m_valid, other=0.0)
+    # delta = rowsum(dO * O): computed here (each row's one visit) and stored for the dk/dv kernel, which runs next
+    o = tl.load(O + b * sob + h * soh + pos_m[:, None] * son + offs_d[None, :], mask=row_mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + pid_bh.to(tl.int64) * n + pos_m, delta, mask=m_valid)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
 
@@ -295,10 +278,17 @@ def _configs(pairs):
 
 
 _FWD_CONFIGS = _configs(
-    [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)]
+    [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 4), (128, 32, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
+     (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)]
 )
-_DQ_CONFIGS = _configs([(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)])
-_DKDV_CONFIGS = _configs([(64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)])
+_DQ_CONFIGS = _configs(
+    [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2),
+     (32, 32, 4, 2), (16, 16, 4, 1)]
+)
+_DKDV_CONFIGS = _configs(
+    [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2),
+     (32, 32, 4, 2), (16, 16, 4, 1)]
+)
 
 # SA_TRITON_AUTOTUNE=0 pins one config on CUDA too: GPU test runs compile each shape once instead of ~5 times.
 _AUTOTUNE = not _INTERPRET and os.environ.get("SA_TRITON_AUTOTUNE", "1") != "0"
@@ -330,12 +320,24 @@ def _tune_keys(n: int, left: int, right: int) -> tuple[int, int]:
     return triton.next_power_of_2(max(n, 1)), triton.next_power_of_2(left + right + 1)
 
 
+# (kernel, n_key, band_key, kwargs, dtype) -> the config the autotuner chose. Later calls launch the jitted kernel
+# with it directly: Triton's Autotuner.run rebuilds its key from every argument on each call (tens of microseconds
+# of host time per launch, which is most of a launch at short sequence lengths).
+_chosen: dict = {}
+
+
 def _launch(kernel, grid_bh, args, kwargs, block_axis: str, n: int, row_bytes: int):
     if not _AUTOTUNE:
         cfg = _interp_blocks(n) if _INTERPRET else _fixed_gpu_config(row_bytes)
         kernel[(triton.cdiv(n, cfg[block_axis]), grid_bh)](*args, **kwargs, **cfg)
-    else:
+        return
+    key = (kernel, args[-2], args[-1], tuple(kwargs.items()), args[0].dtype)
+    cfg = _chosen.get(key)
+    if cfg is None:
         kernel[lambda meta: (triton.cdiv(n, meta[block_axis]), grid_bh)](*args, **kwargs)
+        _chosen[key] = kernel.best_config.all_kwargs()
+    else:
+        kernel.fn[(triton.cdiv(n, cfg[block_axis]), grid_bh)](*args, **kwargs, **cfg)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -425,25 +427,22 @@ class _TritonBandedAttention(torch.autograd.Function):
             return dq.zero_(), dk.zero_(), dv.zero_(), None, None, None, None
         with _on_device(q):
             delta = _empty(lse.shape, lse)
-            blk = max(16, min(128, 8192 // block_d))  # rows per program, keeping a [rows, D] fp32 tile small
-            _delta_kernel[(triton.cdiv(n, blk), B * Hq)](
-                o, do, delta, *_strides(o), *_strides(do), n, Hq, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=blk
-            )
             perm_arg = perm_t if perm_t is not None else q
             flags = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HAS_PERM=perm_t is not None, UPCAST=upcast)
+            keys = _tune_keys(n, left, right)
+            _launch(  # first: it also writes delta, which the dk/dv kernel reads
+                _dq, B * Hq,
+                (q, k, v, o, do, lse, delta, dq, perm_arg,
+                 *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq), spb,
+                 n, left, right, Hq, scale * _LOG2E, scale, *keys),
+                flags, "BLOCK_M", n, block_d * q.element_size(),
+            )
             _launch(
                 _dkdv, B * Hkv,
                 (q, k, v, do, lse, delta, dk, dv, perm_arg,
                  *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv), spb,
-                 n, left, right, Hq, Hkv, scale * _LOG2E, scale, *_tune_keys(n, left, right)),
+                 n, left, right, Hq, Hkv, scale * _LOG2E, scale, *keys),
                 flags, "BLOCK_N", n, block_d * q.element_size(),
-            )
-            _launch(
-                _dq, B * Hq,
-                (q, k, v, do, lse, delta, dq, perm_arg,
-                 *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), spb,
-                 n, left, right, Hq, scale * _LOG2E, scale, *_tune_keys(n, left, right)),
-                flags, "BLOCK_M", n, block_d * q.element_size(),
             )
         return dq, dk, dv, None, None, None, None
 
