@@ -31,6 +31,14 @@ def _padded_permutation(n: int, length: int, gen: torch.Generator) -> torch.Tens
     return torch.cat([torch.randperm(length, generator=gen), torch.arange(length, n)])
 
 
+def _to_device(perm: torch.Tensor, device) -> torch.Tensor:
+    """Pinned, non-blocking copy to a GPU: a plain copy from pageable memory makes the host wait for every queued
+    kernel, once per SA layer, so the GPU would idle while Python issues the next layer."""
+    if device is not None and torch.device(device).type == "cuda":
+        return perm.pin_memory().to(device, non_blocking=True)
+    return perm.to(device)
+
+
 @dataclass
 class PermutationSampler:
     seed: int = 0
@@ -44,10 +52,10 @@ class PermutationSampler:
         if training:
             gen = seeded_generator(self.seed, self.step, layer, self.rank)
             if not self.per_sequence and lengths is None:
-                return torch.randperm(n, generator=gen).to(device)
+                return _to_device(torch.randperm(n, generator=gen), device)
             lens = [n] * batch if lengths is None else [int(x) for x in lengths]
-            return torch.stack([_padded_permutation(n, length, gen) for length in lens]).to(device)
+            return _to_device(torch.stack([_padded_permutation(n, length, gen) for length in lens]), device)
         if lengths is None:  # every sequence would draw the same pi: share it
-            return torch.randperm(n, generator=seeded_generator(self.eval_seed, layer)).to(device)
+            return _to_device(torch.randperm(n, generator=seeded_generator(self.eval_seed, layer)), device)
         perms = [_padded_permutation(n, int(length), seeded_generator(self.eval_seed, layer)) for length in lengths]
-        return torch.stack(perms).to(device)
+        return _to_device(torch.stack(perms), device)
