@@ -104,6 +104,13 @@ def run(args, csv_path: Path | None = None) -> list[dict]:
     gates = {b: correctness_ok(b, device, dtype) for b in backends}
     for b, (ok, why) in gates.items():
         print(f"correctness gate {b}: {'ok' if ok else 'FAILED - not timed: ' + why}", flush=True)
+    if device.type == "cuda":  # clocks idle low (345 MHz seen at the start of a session): spin them up first
+        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        start = time.perf_counter()
+        while time.perf_counter() - start < 2.0:
+            a @ a
+            torch.cuda.synchronize()
+        del a
     inputs = {}
     # backend-major: one backend's compilation (Triton autotuning, torch.compile of flex) is done before the next
     # starts, and a run stopped half-way still holds complete tables for the backends it finished

@@ -24,7 +24,7 @@ timeout "${BENCH_TIMEOUT:-190}" $PY -m bench.attention --out "$RES" 2>&1 | tee "
 cp "$RES/attention_gpu_bf16.csv" "$OUT/" 2>/dev/null
 
 echo "== 3. attention benchmark, paper-like batch: B=8 H=16 D=64 w=256 (triton vs SDPA)"
-timeout "${BENCH_B8_TIMEOUT:-60}" $PY -m bench.attention --batch 8 --n 2048 8192 32768 --backends triton \
+timeout "${BENCH_B8_TIMEOUT:-120}" $PY -m bench.attention --batch 8 --n 2048 8192 32768 --backends triton \
     --out "$RES/b8" 2>&1 | tee "$OUT/bench_b8.log" | grep -v "^n="
 cp "$RES/b8/attention_gpu_bf16.csv" "$OUT/attention_gpu_bf16_b8.csv" 2>/dev/null
 
