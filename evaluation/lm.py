@@ -139,16 +139,20 @@ class SALM(TemplateLM):
         return self.tokenizer.decode(list(tokens), skip_special_tokens=False)
 
     # ------------------------------------------------------------------ model calls
-    @torch.no_grad()
-    def _forward(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-pad `rows` into one batch and run the model: (logits [B, n, V] float32 on CPU-or-device, lengths)."""
+    def _batch(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-pad `rows` into one batch on the device: (tokens [B, n], lengths [B])."""
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
-        n = int(lengths.max())
-        tokens = torch.full((len(rows), n), self._eot, dtype=torch.long)
+        tokens = torch.full((len(rows), int(lengths.max())), self._eot, dtype=torch.long)
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        logits = self.model(tokens.to(self._device), lengths.to(self._device))
-        return logits, lengths
+        return tokens.to(self._device), lengths.to(self._device)
+
+    @torch.no_grad()
+    def _last_logits(self, rows: list[list[int]]) -> torch.Tensor:
+        """Logits [B, V] of the last real position of each row (the next-token distribution)."""
+        tokens, lengths = self._batch(rows)
+        hidden = self.model.hidden_states(tokens, lengths)
+        return self.model.lm_head(hidden[torch.arange(len(rows), device=hidden.device), lengths - 1])
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """requests: [(key, context_enc, continuation_enc)] -> [(sum log p(continuation | context), is_greedy)]."""
@@ -163,20 +167,41 @@ class SALM(TemplateLM):
                 scored = continuation_enc[piece: piece + self.max_length]
                 whole = (context_enc + continuation_enc[: piece + len(scored)])[-(self.max_length + 1):]
                 prepared.append((index, whole[:-1], scored))
+        # Requests whose model input is identical (multiple choice with one-token answers: MMLU, BoolQ) share one
+        # forward; same tokens and length also means the same SA permutation, so this is exact.
+        inputs: dict[tuple, list[tuple[int, list[int]]]] = {}
+        for index, inp, cont in prepared:
+            inputs.setdefault(tuple(inp), []).append((index, cont))
         # Longest first: the first batch shows at once whether memory suffices, and rows of a batch have similar
         # lengths (little padding).
-        prepared.sort(key=lambda item: (-len(item[1]), item[0]))
+        unique = sorted(inputs, key=lambda inp: -len(inp))
         logprobs, greedy = [0.0] * len(requests), [True] * len(requests)
-        for start in tqdm(range(0, len(prepared), self.batch_size), desc="sa-lm batches", disable=disable_tqdm,
+        for start in tqdm(range(0, len(unique), self.batch_size), desc="sa-lm batches", disable=disable_tqdm,
                           mininterval=10):
-            chunk = prepared[start: start + self.batch_size]
-            logits, _ = self._forward([inp for _, inp, _ in chunk])
-            for row, (index, inp, cont) in enumerate(chunk):
-                end = len(inp)  # logits at positions end-len(cont) .. end-1 predict the scored tokens
-                scores = F.log_softmax(logits[row, end - len(cont): end].float(), dim=-1)
-                target = torch.tensor(cont, device=scores.device)
-                logprobs[index] += scores.gather(-1, target[:, None]).sum().item()
-                greedy[index] = greedy[index] and bool((scores.argmax(-1) == target).all())
+            chunk = unique[start: start + self.batch_size]
+            with torch.no_grad():
+                hidden = self.model.hidden_states(*self._batch([list(inp) for inp in chunk]))
+                # the head and log-softmax only where a scored token is predicted: hidden state at position
+                # end - len(cont) + t predicts cont[t]
+                rows, positions, targets, owners = [], [], [], []
+                for row, inp in enumerate(chunk):
+                    end = len(inp)
+                    for index, cont in inputs[inp]:
+                        rows += [row] * len(cont)
+                        positions += range(end - len(cont), end)
+                        targets += cont
+                        owners.append((index, len(cont)))
+                device = hidden.device
+                picked = hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]
+                scores = F.log_softmax(self.model.lm_head(picked).float(), dim=-1)
+                target = torch.tensor(targets, device=device)
+                token_logp = scores.gather(-1, target[:, None]).squeeze(-1).tolist()
+                token_greedy = (scores.argmax(-1) == target).tolist()
+            offset = 0
+            for index, count in owners:
+                logprobs[index] += sum(token_logp[offset: offset + count])
+                greedy[index] = greedy[index] and all(token_greedy[offset: offset + count])
+                offset += count
         results = list(zip(logprobs, greedy))
         for (key, *_), result in zip(requests, results):
             if key and key[0] is not None:
@@ -224,8 +249,7 @@ class SALM(TemplateLM):
                 rows = [i for i, a in enumerate(active) if a]
                 # A sequence longer than the context keeps its last max_length tokens (sliding window).
                 inputs = [(chunk[i][1] + generated[i])[-self.max_length:] for i in rows]
-                logits, lengths = self._forward(inputs)
-                next_tokens = logits[torch.arange(len(rows)), lengths.to(logits.device) - 1].argmax(-1).tolist()
+                next_tokens = self._last_logits(inputs).argmax(-1).tolist()
                 for i, token in zip(rows, next_tokens):
                     _, _, until, max_gen = chunk[i]
                     if token == self._eot:

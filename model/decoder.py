@@ -53,12 +53,19 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, n] -> logits [B, n, vocab]. `lengths` marks right padding (SA then permutes real tokens only)."""
+        return self.lm_head(self.hidden_states(tokens, lengths))
+
+    def hidden_states(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, n] -> final normed hidden states [B, n, d_model]; ``lm_head`` of a row gives its logits.
+
+        Scoring code applies the head only to the positions it reads (the vocabulary projection is the largest
+        matmul of a small model)."""
         if tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, lengths)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         total = sum(p.numel() for p in self.parameters())

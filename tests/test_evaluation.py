@@ -288,6 +288,24 @@ def test_loglikelihood_matches_direct_computation(salm, loaded):
         assert logprob < 0
 
 
+def test_one_token_choices_share_one_forward_and_match_direct_computation(salm, loaded, monkeypatch):
+    """Multiple choice with one-token answers (MMLU, BoolQ): identical model inputs run once, scores stay exact."""
+    singles = [c for c in (" x", " a", " the", " of", " is", " to", " in", " and") if len(salm.tok_encode(c)) == 1]
+    assert len(singles) >= 3
+    context = Words(4).sentence(6)
+    pairs = [(context, c) for c in singles[:3]] + [(context, " " + Words(5).sentence(3))]
+    rows_run = []
+    real = salm.model.hidden_states
+    monkeypatch.setattr(salm.model, "hidden_states", lambda t, n=None: rows_run.append(t.shape[0]) or real(t, n))
+    got = salm.loglikelihood(requests("loglikelihood", pairs))
+    assert sum(rows_run) == 2, "three one-token choices share one row, the multi-token one gets its own"
+    for (ctx, cont), (logprob, greedy) in zip(pairs, got):
+        want, want_greedy = direct_loglikelihood(loaded, ctx, cont)
+        assert logprob == pytest.approx(want, abs=2e-4, rel=1e-5)
+        assert greedy == want_greedy
+    assert len({round(lp, 6) for lp, _ in got[:3]}) == 3, "different answers, different scores"
+
+
 def test_scores_do_not_depend_on_batching(loaded):
     from evaluation.lm import SALM
 
