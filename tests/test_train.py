@@ -101,7 +101,7 @@ def test_ddp_on_two_cpu_processes(tmp_path, corpus_file, data_cache):
 
 def test_multirun_runs_one_job_per_variant(tmp_path, corpus_file, data_cache):
     res = run_cli(["-m", "attention=full,swa,sa,gated_sa_swa", "trainer.max_steps=2", "trainer.val_every_n_steps=2",
-                   "logger=csv", f"paths.log_dir={tmp_path}/runs"] + cli_tiny(corpus_file, data_cache), cwd=tmp_path)
+                   "logger=csv"] + cli_tiny(corpus_file, data_cache), cwd=tmp_path)  # default paths: the documented command
     assert res.returncode == 0, res.stderr[-3000:]
     jobs = sorted(p.name for p in (tmp_path / "runs" / "train" / "multirun").glob("*/*") if p.is_dir())
     assert [j.split("_")[1] for j in jobs] == ["full", "swa", "sa", "gated"]
