@@ -4,7 +4,7 @@
     python -m bench.model --model 360m --seq-len 2048 --batch 8   # GPU: the paper's shape (bf16 autocast)
 
 Times one training step without the optimizer (the part attention changes), median over steps after warm-up, and
-prints tokens/s and the step time relative to full attention. Writes bench/results/model_<device>.csv.
+prints tokens/s and the step time relative to full attention. Writes bench/results/model_<device>_<model>_n<n>.csv.
 """
 
 from __future__ import annotations
@@ -17,15 +17,18 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import yaml
 
 from model.config import AttentionConfig, ModelConfig
 from model.decoder import Decoder
 
-SHAPES = {  # conf/model/*.yaml, repeated here so the benchmark runs without Hydra
-    "small": dict(vocab_size=8192, n_layers=4, d_model=256, n_heads=4, max_seq_len=256),
-    "360m": dict(vocab_size=32000, n_layers=24, d_model=1024, n_heads=16, ffn_hidden=2816, max_seq_len=2048,
-                 tie_embeddings=False),
-}
+MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "model"
+SHAPES = ("small", "360m")  # conf/model/<name>.yaml without a Hydra defaults list, so plain YAML reads them
+
+
+def model_config(name: str) -> ModelConfig:
+    """The model preset as training uses it, read without Hydra (GPU machines may not have it installed)."""
+    return ModelConfig(**yaml.safe_load((MODEL_CONFIGS / f"{name}.yaml").read_text()))
 
 
 def step_ms(model, tokens, device, steps: int, autocast: bool) -> float:
@@ -52,7 +55,7 @@ def step_ms(model, tokens, device, steps: int, autocast: bool) -> float:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(SHAPES), default="small")
+    p.add_argument("--model", choices=SHAPES, default="small")
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's context")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--window", type=int, default=256)
@@ -63,7 +66,7 @@ def main():
     args = p.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = ModelConfig(**SHAPES[args.model])
+    cfg = model_config(args.model)
     n = args.seq_len or cfg.max_seq_len
     cfg.max_seq_len = max(cfg.max_seq_len, n)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, n + 1), device=device)

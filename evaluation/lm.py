@@ -139,7 +139,7 @@ class SALM(TemplateLM):
         return self.tokenizer.decode(list(tokens), skip_special_tokens=False)
 
     # ------------------------------------------------------------------ model calls
-    def _batch(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-pad `rows` into one batch on the device: (tokens [B, n], lengths [B])."""
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
         tokens = torch.full((len(rows), int(lengths.max())), self._eot, dtype=torch.long)
@@ -180,7 +180,7 @@ class SALM(TemplateLM):
                           mininterval=10):
             chunk = unique[start: start + self.batch_size]
             with torch.no_grad():
-                hidden = self.model.hidden_states(*self._batch([list(inp) for inp in chunk]))
+                hidden = self.model.hidden_states(*self._batch(chunk))
                 # the head and log-softmax only where a scored token is predicted: hidden state at position
                 # end - len(cont) + t predicts cont[t]
                 rows, positions, targets, owners = [], [], [], []

@@ -66,6 +66,14 @@ def test_bad_config_is_refused_with_its_key(override, key, tmp_path, corpus_file
     assert err.value.key == key and key in str(err.value)
 
 
+@pytest.mark.parametrize("name", ["small", "360m"])
+def test_benchmark_reads_the_same_model_presets_as_training(name, tmp_path):
+    from bench.model import model_config
+
+    cfg = compose_train([f"model={name}"], tmp_path / "run")
+    assert model_config(name) == from_mapping(ModelConfig, cfg.model, "model")
+
+
 def test_window_at_least_context_is_valid(tmp_path, corpus_file):
     cfg = compose_train(TINY + ["attention=swa", "attention.window=4096"], tmp_path, corpus_file)
     check_config(cfg)
