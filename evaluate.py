@@ -48,7 +48,10 @@ def main(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
 
     from evaluation.runner import evaluate_checkpoint
+    from kernels.cpu_malloc import keep_freed_memory
     from model.config import ConfigError
+
+    keep_freed_memory()
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     eval_cfg = OmegaConf.to_container(cfg.eval, resolve=True)

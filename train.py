@@ -239,7 +239,10 @@ def _summary(console, run_dir: Path, ckpt_dir: Path, metrics: dict, loggers):
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig):
     from data.sources import DataSourceError
+    from kernels.cpu_malloc import keep_freed_memory
     from model.config import ConfigError
+
+    keep_freed_memory()  # big CPU tensors stop paying page faults every step (SA_CPU_MALLOC=0: off)
 
     try:
         metrics = train(cfg)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import banded_attention, default_band
+from kernels.cpu_malloc import keep_freed_memory
 from kernels.naive import naive_banded_attention
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -227,6 +228,7 @@ def main():
     p.add_argument("--full-max-n", type=int, default=None, help="skip full attention above this n (slow on CPU)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
+    keep_freed_memory()  # as train.py does; SA_CPU_MALLOC=0 measures glibc's default behaviour
     cuda = torch.cuda.is_available() and args.device != "cpu"
     args.n = args.n or ([2048, 4096, 8192, 16384, 32768] if cuda else [2048, 4096, 8192, 16384])
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")

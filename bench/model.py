@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from kernels.cpu_malloc import keep_freed_memory
 from model.config import AttentionConfig, ModelConfig
 from model.decoder import Decoder
 
@@ -64,6 +65,7 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
+    keep_freed_memory()  # as train.py does
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = model_config(args.model)

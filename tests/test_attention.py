@@ -222,3 +222,21 @@ def test_decoder_backends_agree_and_state_dict_is_backend_free(kind):
     b.load_state_dict(a.state_dict())
     tokens = torch.randint(0, 50, (2, 37))
     torch.testing.assert_close(a(tokens), b(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_keep_freed_memory_applies_once_and_can_be_turned_off(monkeypatch):
+    """The glibc tuning the entry points call: idempotent, off with SA_CPU_MALLOC=0, a no-op where libc lacks it."""
+    import platform
+
+    import kernels.cpu_malloc as cpu_malloc
+
+    monkeypatch.setattr(cpu_malloc, "_applied", None)
+    monkeypatch.setenv("SA_CPU_MALLOC", "0")
+    assert cpu_malloc.keep_freed_memory() is False
+    monkeypatch.setattr(cpu_malloc, "_applied", None)
+    monkeypatch.delenv("SA_CPU_MALLOC")
+    first = cpu_malloc.keep_freed_memory()
+    assert first is (platform.libc_ver()[0] == "glibc")
+    assert cpu_malloc.keep_freed_memory() is first  # once per process
+    big = torch.randn(3, 2**22)  # 48 MB: above glibc's largest mmap threshold, served from the heap now
+    assert torch.equal(big.clone(), big)
