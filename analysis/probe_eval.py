@@ -28,13 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULTS = {"ckpt": None, "task": "kv,passkey", "num": 200, "num_pairs": 8, "filler": "sentences", "seed": 1234,
+DEFAULTS = {"ckpt": None, "task": "kv,passkey", "num": 200, "num_pairs": 8, "key_digits": 3, "value_digits": 4,
+            "filler": "sentences", "seed": 1234,
             "context": None, "min_distance": None, "max_distance": None, "buckets": 8, "batch_size": 8,
             "device": "cpu", "out": None}
 ATTENTION_KEYS = ("kind", "window", "backend", "eval_seed")
 
 
-INT_KEYS = ("num", "num_pairs", "seed", "context", "min_distance", "max_distance", "buckets", "batch_size")
+INT_KEYS = ("num", "num_pairs", "key_digits", "value_digits", "seed", "context", "min_distance", "max_distance",
+            "buckets", "batch_size")
 
 
 def parse_args(argv: list[str]) -> tuple[dict, dict]:
@@ -76,7 +78,8 @@ def trained_probe_defaults(run_dir: Path | None) -> dict:
     probes = cfg.data.get("probes") if "data" in cfg else None
     if not probes:
         return {}
-    return {k: probes[k] for k in ("task", "filler", "num_pairs", "length") if k in probes}
+    keys = ("task", "filler", "num_pairs", "key_digits", "value_digits", "length")
+    return {k: probes[k] for k in keys if k in probes}
 
 
 def trained_context(tokenizer, trained: dict, max_seq_len: int) -> int:
@@ -84,20 +87,22 @@ def trained_context(tokenizer, trained: dict, max_seq_len: int) -> int:
     from data.probes import ProbeSpec, make_probe
 
     spec = ProbeSpec(task=str(trained.get("task", "kv")).split(",")[0], length=int(trained["length"]),
-                     num_pairs=int(trained.get("num_pairs", 8)), filler=trained.get("filler", "sentences"))
+                     num_pairs=int(trained.get("num_pairs", 8)), filler=trained.get("filler", "sentences"),
+                     key_digits=int(trained.get("key_digits", 3)), value_digits=int(trained.get("value_digits", 4)))
     tokens = max(len(tokenizer.encode(make_probe(spec, i).prompt).ids) for i in range(8))
     return min(max_seq_len, tokens + 8)
 
 
 def build_examples(tokenizer, task: str, num: int, context: int, seed: int, num_pairs: int, filler: str,
-                   min_distance=None, max_distance=None):
+                   min_distance=None, max_distance=None, key_digits: int = 3, value_digits: int = 4):
     """(prompt ids, answer ids, measured token distance) for `num` probes that fit in `context` tokens."""
     from data.probes import ProbeSpec, TokenUnits, make_probe
 
     units = TokenUnits(tokenizer)
     margin = 8  # answer tokens + slack for merges at piece boundaries
     spec = ProbeSpec(task=task, length=context - margin, num_pairs=num_pairs, filler=filler, seed=seed,
-                     min_distance=min_distance, max_distance=max_distance)
+                     min_distance=min_distance, max_distance=max_distance, key_digits=key_digits,
+                     value_digits=value_digits)
     examples, index = [], 0
     while len(examples) < num and index < 3 * num:
         probe = make_probe(spec, index, units)
@@ -179,7 +184,8 @@ def evaluate(given: dict, attention: dict | None = None, log=print) -> dict:
                "settings": cfg, "results": [], "buckets": {}}
     for task in tasks:
         examples = build_examples(tok, task, int(cfg["num"]), context, int(cfg["seed"]), int(cfg["num_pairs"]),
-                                  cfg["filler"], cfg["min_distance"], cfg["max_distance"])
+                                  cfg["filler"], cfg["min_distance"], cfg["max_distance"], int(cfg["key_digits"]),
+                                  int(cfg["value_digits"]))
         if not examples:
             raise SystemExit(f"error: no {task} probe fits in {context} tokens")
         correct = score(model, examples, int(cfg["batch_size"]), loaded.eos_id, torch.device(cfg["device"]))

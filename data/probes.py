@@ -1,11 +1,25 @@
 """Synthetic long-range probes: documents whose answer needs information at a controlled distance (no download).
 
-Two tasks, both a prompt that ends in a question and an answer to predict:
+Four tasks, each a prompt that ends in a question and an answer to predict:
 
   kv       key-value retrieval. Pairs like " k123: v4567." are scattered in filler text; the question at the end asks
            for the value of one key ("... Question: what is the value of k123? Answer:" -> " v4567").
-  passkey  passkey retrieval. One needle (" The pass key is 48213. Remember it. 48213 is the pass key.") inside filler;
-           the prompt ends "... What is the pass key? The pass key is" -> " 48213".
+  passkey  passkey retrieval. One needle (" The pass key is 4821. Remember it. 4821 is the pass key.") inside filler;
+           the prompt ends "... What is the pass key? The pass key is" -> " 4821" (a code of `value_digits` digits:
+           with 2 the code is one token, so the lookup is a single attention step, learnable in minutes).
+  needle   the one number of the document (" 47", `value_digits` digits, one token with 2) hidden in filler; the
+           prompt ends with the question mark " ?" and the answer is the number. The question token occurs nowhere
+           else and the number is the only digits in the text, so one attention step finds it: with
+           `question_gap` > 0 a training document asks again and again, each question at least `question_gap` units
+           after the previous answer, so every answer needs a look-up further back than that (set it above the SWA
+           reach) and a 4-layer model learns the look-up in a few hundred steps (passkey's question ends in " is",
+           a token the filler uses too, which made the look-up need context and was not learned at that budget).
+  recall   multi-query associative recall, with no filler: a stream of pairs " qx47" (a key of `key_digits`
+           letters, a value of `value_digits` digits; two tokens with a byte-level BPE) drawn at random from a
+           document's dictionary of `num_pairs` keys, each key always with the same value. Every repeated key is a
+           question whose answer is the value seen at the key's previous occurrence, so about half the tokens of a
+           document test retrieval (kv and passkey have one question per document) and a small model learns the
+           lookup in minutes. The prompt ends with a key last seen at the requested distance: "... qx" -> "47".
 
 Distance d = the length of the prompt AFTER the needed item (the queried pair, or the needle), in the probe's units:
 characters, or tokens of a given tokenizer. The query at the last prompt token is d positions after the item's last
@@ -30,8 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-TASKS = ("kv", "passkey")
-FILLERS = ("repeat", "sentences", "pydoc")
+TASKS = ("kv", "passkey", "recall", "needle")
+FILLERS = ("repeat", "sentences", "pydoc", "random")
 
 REPEAT = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 SENTENCES = (
@@ -52,34 +66,38 @@ SENTENCES = (
 class ProbeSpec:
     task: str = "kv"
     length: int = 2000  # prompt length in units
-    num_pairs: int = 8  # kv: pairs in the context (the queried one included)
+    num_pairs: int = 8  # kv: pairs in the context (the queried one included); recall: keys in the dictionary
     distance: int | None = None  # exact distance, or None: uniform in [min_distance, max_distance]
     min_distance: int | None = None  # None: the smallest possible (the question's length)
     max_distance: int | None = None  # None: the largest possible (the item at the very start)
     filler: str = "sentences"
     seed: int = 0
     key_digits: int = 3
-    value_digits: int = 4
+    value_digits: int = 4  # kv, recall: digits of a value; passkey, needle: of the code
+    question_gap: int = 0  # needle: repeat the question every question_gap..2*question_gap units (0: only at the end)
 
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"probe task must be one of {TASKS}, got {self.task!r}")
+        if self.question_gap < 0:
+            raise ValueError(f"question_gap must be >= 0, got {self.question_gap}")
         if self.filler not in FILLERS:
             raise ValueError(f"probe filler must be one of {FILLERS}, got {self.filler!r}")
-        if self.task == "kv" and not 1 <= self.num_pairs <= 9 * 10 ** (self.key_digits - 1):
-            raise ValueError(f"num_pairs={self.num_pairs} must lie in [1, {9 * 10 ** (self.key_digits - 1)}]")
+        keys = 9 * 10 ** (self.key_digits - 1) if self.task == "kv" else 26 ** self.key_digits
+        if self.task in ("kv", "recall") and not 1 <= self.num_pairs <= keys:
+            raise ValueError(f"num_pairs={self.num_pairs} must lie in [1, {keys}] for {self.key_digits}-character keys")
 
 
 @dataclass
 class Probe:
     task: str
     prompt: str
-    answer: str  # begins with a space; the text to predict after the prompt
+    answer: str  # the text to predict after the prompt (kv, passkey: begins with a space)
     distance: int  # units of the prompt after the needed item
     length: int  # units of the prompt
     item_span: tuple[int, int]  # character span of the needed item (pair or needle) in the prompt
-    key: str | None = None  # kv: the queried key
-    pairs: dict[str, str] = field(default_factory=dict)  # kv: every key -> value in the context
+    key: str | None = None  # kv, recall: the queried key
+    pairs: dict[str, str] = field(default_factory=dict)  # kv, recall: every key -> value in the context
     index: int = 0
     seed: int = 0
     units: str = "chars"
@@ -127,9 +145,16 @@ class TokenUnits:
         return len(offsets) - 1 - last
 
 
+# "random" filler: syllables drawn uniformly, so nothing in the filler can be learned beyond their frequency and a
+# small model's whole learning signal is the probe's answers (with sentence filler it first spends its steps on them).
+SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")[:64]
+
+
 def _filler_stream(kind: str, rng: np.random.Generator, min_chars: int) -> str:
     if kind == "repeat":
         return REPEAT * (min_chars // len(REPEAT) + 2)
+    if kind == "random":
+        return "".join(" " + SYLLABLES[i] for i in rng.integers(len(SYLLABLES), size=min_chars // 3 + 100))
     pool = SENTENCES if kind == "sentences" else _pydoc_sentences()
     parts, total = [], 0
     while total < min_chars + 200:
@@ -194,6 +219,8 @@ def make_probe(spec: ProbeSpec, index: int, units=None) -> Probe:
     """Document `index` of the family `spec` (deterministic in (spec, index))."""
     units = units or CharUnits()
     rng = np.random.default_rng([spec.seed, index, TASKS.index(spec.task)])
+    if spec.task == "recall":
+        return _make_recall(spec, index, units, rng)
     pairs: dict[str, str] = {}
     if spec.task == "kv":
         lo_k, lo_v = 10 ** (spec.key_digits - 1), 10 ** (spec.value_digits - 1)
@@ -204,8 +231,12 @@ def make_probe(spec: ProbeSpec, index: int, units=None) -> Probe:
         item = f" {key}: {pairs[key]}."
         question, answer = f" Question: what is the value of {key}? Answer:", f" {pairs[key]}"
         others = [f" {k}: {v}." for k, v in pairs.items() if k != key]
+    elif spec.task == "needle":
+        key, code = None, str(int(rng.integers(10 ** (spec.value_digits - 1), 10 ** spec.value_digits)))
+        item, question, answer = f" {code}", " ?", f" {code}"
+        others = []
     else:
-        key, code = None, str(int(rng.integers(10000, 100000)))
+        key, code = None, str(int(rng.integers(10 ** (spec.value_digits - 1), 10 ** spec.value_digits)))
         item = f" The pass key is {code}. Remember it. {code} is the pass key."
         question, answer = " What is the pass key? The pass key is", f" {code}"
         others = []
@@ -245,8 +276,71 @@ def make_probe(spec: ProbeSpec, index: int, units=None) -> Probe:
             text += items[i][0] + filler.take(gap)
         return text
 
+    def asked_again(room: int, gap: int) -> str:
+        """Filler with the question and its answer repeated, each at least `gap` units after the previous one
+        (and at least `gap` before the final question)."""
+        qa = question + answer
+        qa_u, text, used = units.count(qa), "", 0
+        step = int(rng.integers(gap, 2 * gap + 1))
+        while used + step + qa_u + gap <= room:
+            text += filler.take(step) + qa
+            used += step + qa_u
+            step = int(rng.integers(gap, 2 * gap + 1))
+        return text + filler.take(room - used)
+
     head = region(before_u, regions[True])
-    tail = region(after_u, regions[False])
+    if spec.task == "needle" and spec.question_gap > 0:
+        tail = asked_again(after_u, spec.question_gap)
+    else:
+        tail = region(after_u, regions[False])
+    prompt = head + item + tail + question
+    span = (len(head), len(head) + len(item))
+    return Probe(task=spec.task, prompt=prompt, answer=answer, distance=units.distance(prompt, span[1]),
+                 length=units.count(prompt), item_span=span, key=key, pairs=pairs, index=index, seed=spec.seed,
+                 units=units.name)
+
+
+def _make_recall(spec: ProbeSpec, index: int, units, rng: np.random.Generator) -> Probe:
+    """A stream of pairs from a dictionary of `num_pairs` keys; the last pair's key was last seen `d` units earlier.
+
+    Pairs are whole units (a pair is never cut), so length and distance come as close to the request as whole pairs
+    allow (within one pair); `Probe.distance` is the exact measured one. Units add up pair by pair because the
+    byte-level pre-tokenizer splits at the space that starts each word."""
+    lo_v = 10 ** (spec.value_digits - 1)
+    codes = rng.choice(26 ** spec.key_digits, size=spec.num_pairs, replace=False)
+    keys = [" " + "".join(chr(97 + int(c) // 26 ** i % 26) for i in range(spec.key_digits)) for c in codes]
+    pairs = {k: str(int(v)) for k, v in zip(keys, rng.integers(lo_v, 10 * lo_v, size=len(keys)))}
+    key, others = keys[0], keys[1:]
+    item = key + pairs[key]
+    question, answer = key, pairs[key]
+    n, item_u, question_u = spec.length, units.count(item), units.count(question)
+    lo = max(question_u, spec.min_distance if spec.min_distance is not None else 0)
+    hi = min(n - item_u, spec.max_distance if spec.max_distance is not None else n)
+    if spec.distance is not None:
+        lo = hi = spec.distance
+    if not question_u <= lo <= hi <= n - item_u:
+        raise ValueError(f"recall probe: distance {spec.distance if spec.distance is not None else (lo, hi)} "
+                         f"impossible for length {n} (the question takes {question_u}, a pair {item_u} {units.name})")
+    d = int(rng.integers(lo, hi + 1))
+    cost: dict[str, int] = {}
+
+    def stream(room: int, draw: list[str]) -> str:
+        """Pairs drawn uniformly from `draw` until `room` units are (nearly) filled; the last pair may overshoot by
+        less than half a pair, so both length and distance land within a pair of the request."""
+        text, used = [], 0
+        while draw:
+            k = draw[int(rng.integers(len(draw)))]
+            pair = k + pairs[k]
+            u = cost.setdefault(pair, units.count(pair))
+            if used + u - room > room - used:
+                break
+            text.append(pair)
+            used += u
+        return "".join(text)
+
+    # the queried key appears only as the item, so its previous occurrence is exactly there
+    tail = stream(d - question_u, others)
+    head = stream(n - item_u - units.count(tail) - question_u, others)
     prompt = head + item + tail + question
     span = (len(head), len(head) + len(item))
     return Probe(task=spec.task, prompt=prompt, answer=answer, distance=units.distance(prompt, span[1]),

@@ -11,7 +11,7 @@ from data.probes import CharUnits, ProbesCallback, ProbeSpec, TokenUnits, genera
 PAIR = re.compile(r" (k\d+): (v\d+)\.")
 
 
-@pytest.mark.parametrize("filler", ["repeat", "sentences", "pydoc"])
+@pytest.mark.parametrize("filler", ["repeat", "sentences", "pydoc", "random"])
 def test_kv_answers_are_recoverable_from_the_text(filler):
     spec = ProbeSpec(task="kv", length=700, num_pairs=6, filler=filler, seed=5)
     for probe in generate(spec, 40):
@@ -30,7 +30,55 @@ def test_passkey_answer_is_recoverable_from_the_text():
         assert probe.prompt.endswith("What is the pass key? The pass key is")
 
 
-@pytest.mark.parametrize("task", ["kv", "passkey"])
+def test_passkey_code_has_the_requested_digits():
+    codes = {p.answer.strip() for p in generate(ProbeSpec(task="passkey", length=300, value_digits=2, seed=4), 40)}
+    assert all(len(c) == 2 and c.isdigit() for c in codes) and len(codes) > 20
+
+
+def test_needle_is_the_only_number_and_questions_keep_their_gap():
+    spec = ProbeSpec(task="needle", length=3000, value_digits=1, question_gap=400, min_distance=2000, seed=8)
+    for probe in generate(spec, 30):
+        code = probe.answer.strip()
+        assert re.findall(r"\d+", probe.prompt) == [code] * (probe.prompt.count(" ?") - 1) + [code]
+        assert probe.prompt[probe.item_span[0] : probe.item_span[1]] == " " + code and probe.prompt.endswith(" ?")
+        asked = [m.start() for m in re.finditer(r" \?", probe.prompt)]
+        assert len(asked) >= 3  # the number sits 2000+ characters before the end: asked again on the way
+        starts = [probe.item_span[1]] + [a + len(" ? " + code) for a in asked[:-1]]
+        assert all(a - s >= 400 for s, a in zip(starts, asked))  # every question 400+ characters after the last
+    once = make_probe(ProbeSpec(task="needle", length=600, value_digits=2, distance=300, seed=1), 0)
+    assert once.prompt.count(" ?") == 1 and once.distance == 300 and len(once.answer.strip()) == 2
+
+
+RECALL_PAIR = re.compile(r" ([a-z]+)(\d+)")
+
+
+def test_recall_every_key_keeps_its_value_and_the_answer_is_its_last_value():
+    spec = ProbeSpec(task="recall", length=400, num_pairs=12, key_digits=2, value_digits=2, seed=6)
+    for probe in generate(spec, 30):
+        body, key = probe.prompt[: -len(probe.key)], probe.key
+        stream = RECALL_PAIR.findall(body)
+        assert "".join(f" {k}{v}" for k, v in stream) == body  # nothing but pairs
+        seen = {}
+        for k, v in stream:
+            assert seen.setdefault(k, v) == v == probe.pairs[" " + k]  # a key always has the same value
+        assert len(seen) <= 12 and probe.prompt.endswith(key) and seen[key.strip()] == probe.answer
+        assert body.count(key + probe.answer) == 1  # the queried key occurs once before the question: at the item
+        assert probe.prompt[probe.item_span[0] : probe.item_span[1]] == key + probe.answer
+        assert abs(len(probe.prompt) - 400) <= 5 and probe.text == probe.prompt + probe.answer
+
+
+def test_recall_distances_within_one_pair_of_the_request():
+    for d in (6, 50, 123, 300):
+        probe = make_probe(ProbeSpec(task="recall", length=400, num_pairs=10, key_digits=2, value_digits=2,
+                                     distance=d, seed=2), index=d)
+        assert abs(probe.distance - d) <= 3 and probe.distance == len(probe.prompt) - probe.item_span[1]
+    with pytest.raises(ValueError, match="impossible"):
+        make_probe(ProbeSpec(task="recall", length=100, distance=99, key_digits=2, value_digits=2), 0)
+    with pytest.raises(ValueError, match="num_pairs"):
+        ProbeSpec(task="recall", key_digits=1, num_pairs=27)
+
+
+@pytest.mark.parametrize("task", ["kv", "passkey", "needle"])
 def test_lengths_and_distances_are_as_requested(task):
     for d in (80, 150, 333, 520):
         probe = make_probe(ProbeSpec(task=task, length=600, num_pairs=4, distance=d, seed=1), index=d)
@@ -102,3 +150,6 @@ def test_probes_train_and_evaluate_end_to_end(tmp_path, data_cache):
     assert sum(b["n"] for b in summary["buckets"]["kv"]) == 12
     alone = evaluate({"ckpt": str(run), "num": 12, "batch_size": 1, "buckets": 3}, {"window": 8})
     assert alone["results"] == summary["results"]  # padded batches score like single sequences
+    recall = evaluate({"ckpt": str(run), "task": "recall", "num": 6, "num_pairs": 5, "key_digits": 1,
+                       "value_digits": 2, "context": 60, "buckets": 2}, {"window": 8})
+    assert sum(b["n"] for b in recall["buckets"]["recall"]) == 6  # token-unit recall prompts fit and are scored
