@@ -215,6 +215,19 @@ class _Filler:
         return piece
 
 
+def _draw_distance(spec: ProbeSpec, item_u: int, question_u: int, units, rng: np.random.Generator) -> int:
+    """The item's distance: spec.distance, or uniform in [min_distance, max_distance] clipped to what fits."""
+    n = spec.length
+    lo = max(question_u, spec.min_distance if spec.min_distance is not None else 0)
+    hi = min(n - item_u, spec.max_distance if spec.max_distance is not None else n)
+    if spec.distance is not None:
+        lo = hi = spec.distance
+    if not question_u <= lo <= hi <= n - item_u:
+        raise ValueError(f"{spec.task} probe: distance {spec.distance if spec.distance is not None else (lo, hi)} "
+                         f"impossible for length {n} (the question takes {question_u}, the item {item_u} {units.name})")
+    return int(rng.integers(lo, hi + 1))
+
+
 def make_probe(spec: ProbeSpec, index: int, units=None) -> Probe:
     """Document `index` of the family `spec` (deterministic in (spec, index))."""
     units = units or CharUnits()
@@ -243,14 +256,7 @@ def make_probe(spec: ProbeSpec, index: int, units=None) -> Probe:
     n = spec.length
     item_u, question_u = units.count(item), units.count(question)
     others_u = [units.count(o) for o in others]
-    lo = max(question_u, spec.min_distance if spec.min_distance is not None else 0)
-    hi = min(n - item_u, spec.max_distance if spec.max_distance is not None else n)
-    if spec.distance is not None:
-        lo = hi = spec.distance
-    if not question_u <= lo <= hi <= n - item_u:
-        raise ValueError(f"{spec.task} probe: distance {spec.distance if spec.distance is not None else (lo, hi)} "
-                         f"impossible for length {n} (the question takes {question_u}, the item {item_u} {units.name})")
-    d = int(rng.integers(lo, hi + 1))
+    d = _draw_distance(spec, item_u, question_u, units, rng)
     before_u, after_u = n - item_u - d, d - question_u  # filler + other pairs on each side of the item
     # Distractor pairs go left or right of the item in proportion to the room there, if they fit.
     side = rng.random(len(others)) * max(1, before_u + after_u) < before_u
@@ -314,14 +320,7 @@ def _make_recall(spec: ProbeSpec, index: int, units, rng: np.random.Generator) -
     item = key + pairs[key]
     question, answer = key, pairs[key]
     n, item_u, question_u = spec.length, units.count(item), units.count(question)
-    lo = max(question_u, spec.min_distance if spec.min_distance is not None else 0)
-    hi = min(n - item_u, spec.max_distance if spec.max_distance is not None else n)
-    if spec.distance is not None:
-        lo = hi = spec.distance
-    if not question_u <= lo <= hi <= n - item_u:
-        raise ValueError(f"recall probe: distance {spec.distance if spec.distance is not None else (lo, hi)} "
-                         f"impossible for length {n} (the question takes {question_u}, a pair {item_u} {units.name})")
-    d = int(rng.integers(lo, hi + 1))
+    d = _draw_distance(spec, item_u, question_u, units, rng)
     cost: dict[str, int] = {}
 
     def stream(room: int, draw: list[str]) -> str:
