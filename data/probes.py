@@ -5,21 +5,22 @@ Four tasks, each a prompt that ends in a question and an answer to predict:
   kv       key-value retrieval. Pairs like " k123: v4567." are scattered in filler text; the question at the end asks
            for the value of one key ("... Question: what is the value of k123? Answer:" -> " v4567").
   passkey  passkey retrieval. One needle (" The pass key is 4821. Remember it. 4821 is the pass key.") inside filler;
-           the prompt ends "... What is the pass key? The pass key is" -> " 4821" (a code of `value_digits` digits:
-           with 2 the code is one token, so the lookup is a single attention step, learnable in minutes).
+           the prompt ends "... What is the pass key? The pass key is" -> " 4821" (a code of `value_digits` digits;
+           with 2 it is one token).
   needle   the one number of the document (" 47", `value_digits` digits, one token with 2) hidden in filler; the
            prompt ends with the question mark " ?" and the answer is the number. The question token occurs nowhere
            else and the number is the only digits in the text, so one attention step finds it: with
            `question_gap` > 0 a training document asks again and again, each question at least `question_gap` units
            after the previous answer, so every answer needs a look-up further back than that (set it above the SWA
-           reach) and a 4-layer model learns the look-up in a few hundred steps (passkey's question ends in " is",
-           a token the filler uses too, which made the look-up need context and was not learned at that budget).
+           reach). Unlike passkey, whose question ends in " is" (a filler token too), the query token alone says
+           what to look up.
   recall   multi-query associative recall, with no filler: a stream of pairs " qx47" (a key of `key_digits`
            letters, a value of `value_digits` digits; two tokens with a byte-level BPE) drawn at random from a
            document's dictionary of `num_pairs` keys, each key always with the same value. Every repeated key is a
            question whose answer is the value seen at the key's previous occurrence, so about half the tokens of a
-           document test retrieval (kv and passkey have one question per document) and a small model learns the
-           lookup in minutes. The prompt ends with a key last seen at the requested distance: "... qx" -> "47".
+           document test retrieval (kv and passkey have one question per document). The prompt ends with a key
+           last seen at the requested distance: "... qx" -> "47".
+None of these was learned by a 1.3M-parameter model within the CPU preset's budget (RESULTS.md).
 
 Distance d = the length of the prompt AFTER the needed item (the queried pair, or the needle), in the probe's units:
 characters, or tokens of a given tokenizer. The query at the last prompt token is d positions after the item's last
@@ -145,8 +146,8 @@ class TokenUnits:
         return len(offsets) - 1 - last
 
 
-# "random" filler: syllables drawn uniformly, so nothing in the filler can be learned beyond their frequency and a
-# small model's whole learning signal is the probe's answers (with sentence filler it first spends its steps on them).
+# "random" filler: syllables drawn uniformly, so nothing in the filler can be learned beyond their frequency and the
+# rest of the learnable signal is the probe's answers.
 SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")[:64]
 
 
