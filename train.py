@@ -35,6 +35,9 @@ def check_config(cfg: DictConfig):
             raise ConfigError(f"trainer.{key}", cfg.trainer[key], "must be a positive integer")
     if cfg.data.batch_size < 1:
         raise ConfigError("data.batch_size", cfg.data.batch_size, "must be a positive integer")
+    if cfg.data.get("window_start", "any") not in ("any", "document"):
+        raise ConfigError("data.window_start", cfg.data.window_start,
+                          "choose any (windows at any token) or document (windows open where a document begins)")
     if cfg.trainer.strategy not in ("auto", "ddp", "fsdp", "ddp_spawn"):
         raise ConfigError("trainer.strategy", cfg.trainer.strategy, "choose auto, ddp, fsdp or ddp_spawn")
     from tools.guards import refuse_multirun_ddp
@@ -146,7 +149,9 @@ def train(cfg: DictConfig) -> dict:
     datamodule = TokenDataModule(data.train_shards, data.val_shard, seq_len=int(cfg.data.seq_len),
                                  batch_size=int(cfg.data.batch_size), seed=int(cfg.seed),
                                  val_windows=int(cfg.data.val_windows), val_batch_size=int(cfg.data.val_batch_size),
-                                 num_workers=int(cfg.data.num_workers), total_micro_batches=max_steps * accumulate)
+                                 num_workers=int(cfg.data.num_workers), total_micro_batches=max_steps * accumulate,
+                                 window_start=str(cfg.data.get("window_start", "any")),
+                                 eos_id=data.meta["tokenizer"]["eos_id"])
 
     strategy = cfg.trainer.strategy
     if strategy == "fsdp":

@@ -177,7 +177,9 @@ def evaluate(given: dict, attention: dict | None = None, log=print) -> dict:
     cfg["context"] = context
     if context > mcfg.max_seq_len:
         raise SystemExit(f"error: context={context} exceeds the model's max_seq_len={mcfg.max_seq_len}")
-    reach = math.inf if acfg.kind == "full" else mcfg.n_layers * (acfg.window - 1)
+    # The same buckets and beyond/within split for every variant of a sweep: full attention is scored against the reach
+    # an SWA stack of its depth and (configured) window would have, so its row lines up with the others.
+    reach = mcfg.n_layers * (acfg.window - 1)
     tasks = [t for t in str(cfg["task"]).split(",") if t]
     summary = {"suite": "probes", "checkpoint": str(ckpt), "attention": {"kind": acfg.kind, "window": acfg.window,
                "eval_seed": acfg.eval_seed}, "context": context, "swa_reach": mcfg.n_layers * (acfg.window - 1),

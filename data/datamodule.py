@@ -18,17 +18,41 @@ from model.permutation import seeded_generator
 
 
 class RandomWindows(Dataset):
-    """Item i = one micro-batch [batch_size, seq_len + 1] of random windows from the train shards."""
+    """Item i = one micro-batch [batch_size, seq_len + 1] of random windows from the train shards.
 
-    def __init__(self, shard_paths: list[Path], seq_len: int, batch_size: int, seed: int, rank: int, length: int):
+    `start="any"` draws any token offset (the usual packed-corpus sampling). `start="document"` draws only offsets
+    where a document begins (offset 0 and after each end-of-text token), so no window opens in the middle of a document:
+    for tasks whose answer depends on the document's beginning (the long-range probes) a cut window would hold
+    questions whose answer is not in its context at all, and that noise is what the model then learns.
+    """
+
+    STARTS = ("any", "document")
+
+    def __init__(self, shard_paths: list[Path], seq_len: int, batch_size: int, seed: int, rank: int, length: int,
+                 start: str = "any", eos_id: int | None = None):
+        if start not in self.STARTS:
+            raise ValueError(f"window start {start!r}: choose one of {self.STARTS}")
+        if start == "document" and eos_id is None:
+            raise ValueError("document-aligned windows need the end-of-text token id (eos_id)")
         self.paths, self.seq_len, self.batch_size = [str(p) for p in shard_paths], seq_len, batch_size
         self.seed, self.rank, self.length = seed, rank, length
+        self.offsets = None  # per shard, the valid start offsets when they are not simply 0..size-seq_len-1
         sizes = np.array([read_shard(p).size for p in self.paths])
-        self.windows = np.maximum(sizes - seq_len, 0)  # valid start offsets per shard
+        if start == "document":
+            self.offsets = [self._document_starts(read_shard(p), eos_id, seq_len) for p in self.paths]
+            self.windows = np.array([len(o) for o in self.offsets])
+        else:
+            self.windows = np.maximum(sizes - seq_len, 0)
         if self.windows.sum() == 0:
-            raise ValueError(f"training shards hold fewer than seq_len + 1 = {seq_len + 1} tokens")
+            where = "starting at a document boundary " if start == "document" else ""
+            raise ValueError(f"training shards hold no window of seq_len + 1 = {seq_len + 1} tokens {where}")
         self.cum = np.cumsum(self.windows)
         self._shards = None
+
+    @staticmethod
+    def _document_starts(tokens: np.ndarray, eos_id: int, seq_len: int) -> np.ndarray:
+        starts = np.concatenate([[0], np.flatnonzero(np.asarray(tokens) == eos_id) + 1])
+        return starts[starts + seq_len < tokens.size]
 
     def __len__(self):
         return self.length
@@ -42,6 +66,8 @@ class RandomWindows(Dataset):
         for s in starts:
             shard = int(np.searchsorted(self.cum, s, side="right"))
             offset = int(s - (self.cum[shard - 1] if shard else 0))
+            if self.offsets is not None:
+                offset = int(self.offsets[shard][offset])
             rows.append(np.asarray(self._shards[shard][offset : offset + self.seq_len + 1], dtype=np.int64))
         return torch.from_numpy(np.stack(rows))
 
@@ -67,12 +93,14 @@ class FixedWindows(Dataset):
 
 class TokenDataModule(L.LightningDataModule):
     def __init__(self, train_shards, val_shard, seq_len: int, batch_size: int, seed: int = 0, val_windows: int = 64,
-                 val_batch_size: int | None = None, num_workers: int = 0, total_micro_batches: int = 10**9):
+                 val_batch_size: int | None = None, num_workers: int = 0, total_micro_batches: int = 10**9,
+                 window_start: str = "any", eos_id: int | None = None):
         super().__init__()
         self.train_shards, self.val_shard = list(train_shards), val_shard
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.val_windows, self.val_batch_size = val_windows, val_batch_size or batch_size
         self.num_workers, self.total = num_workers, total_micro_batches
+        self.window_start, self.eos_id = window_start, eos_id
 
     def _start(self) -> int:
         """Micro-batches already consumed: a resumed run continues where it stopped."""
@@ -83,7 +111,8 @@ class TokenDataModule(L.LightningDataModule):
 
     def train_dataloader(self):
         rank = self.trainer.global_rank if self.trainer is not None else 0
-        dataset = RandomWindows(self.train_shards, self.seq_len, self.batch_size, self.seed, rank, self.total)
+        dataset = RandomWindows(self.train_shards, self.seq_len, self.batch_size, self.seed, rank, self.total,
+                                start=self.window_start, eos_id=self.eos_id)
         start = self._start()
         return DataLoader(dataset, batch_size=None, sampler=range(start, self.total), num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)

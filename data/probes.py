@@ -12,8 +12,10 @@ Four tasks, each a prompt that ends in a question and an answer to predict:
            else and the number is the only digits in the text, so one attention step finds it: with
            `question_gap` > 0 a training document asks again and again, each question at least `question_gap` units
            after the previous answer, so every answer needs a look-up further back than that (set it above the SWA
-           reach). Unlike passkey, whose question ends in " is" (a filler token too), the query token alone says
-           what to look up.
+           reach). With `first_gap` the first question comes 0..first_gap units after the number: near look-ups
+           that any variant can answer, from which the model learns the look-up it then needs further back (without
+           them even full attention did not learn the task in 1000 steps). Unlike passkey, whose question ends in
+           " is" (a filler token too), the query token alone says what to look up.
   recall   multi-query associative recall, with no filler: a stream of pairs " qx47" (a key of `key_digits`
            letters, a value of `value_digits` digits; two tokens with a byte-level BPE) drawn at random from a
            document's dictionary of `num_pairs` keys, each key always with the same value. Every repeated key is a
@@ -76,12 +78,15 @@ class ProbeSpec:
     key_digits: int = 3
     value_digits: int = 4  # kv, recall: digits of a value; passkey, needle: of the code
     question_gap: int = 0  # needle: repeat the question every question_gap..2*question_gap units (0: only at the end)
+    first_gap: int | None = None  # needle: the first question 0..first_gap units after the number (None: like the rest)
 
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"probe task must be one of {TASKS}, got {self.task!r}")
         if self.question_gap < 0:
             raise ValueError(f"question_gap must be >= 0, got {self.question_gap}")
+        if self.first_gap is not None and self.first_gap < 0:
+            raise ValueError(f"first_gap must be >= 0 or None, got {self.first_gap}")
         if self.filler not in FILLERS:
             raise ValueError(f"probe filler must be one of {FILLERS}, got {self.filler!r}")
         keys = 9 * 10 ** (self.key_digits - 1) if self.task == "kv" else 26 ** self.key_digits
@@ -283,12 +288,12 @@ def make_probe(spec: ProbeSpec, index: int, units=None) -> Probe:
             text += items[i][0] + filler.take(gap)
         return text
 
-    def asked_again(room: int, gap: int) -> str:
+    def asked_again(room: int, gap: int, first_gap: int | None) -> str:
         """Filler with the question and its answer repeated, each at least `gap` units after the previous one
-        (and at least `gap` before the final question)."""
+        (and at least `gap` before the final question); the first one `first_gap` or less after the number."""
         qa = question + answer
         qa_u, text, used = units.count(qa), "", 0
-        step = int(rng.integers(gap, 2 * gap + 1))
+        step = int(rng.integers(0, first_gap + 1) if first_gap is not None else rng.integers(gap, 2 * gap + 1))
         while used + step + qa_u + gap <= room:
             text += filler.take(step) + qa
             used += step + qa_u
@@ -297,7 +302,7 @@ def make_probe(spec: ProbeSpec, index: int, units=None) -> Probe:
 
     head = region(before_u, regions[True])
     if spec.task == "needle" and spec.question_gap > 0:
-        tail = asked_again(after_u, spec.question_gap)
+        tail = asked_again(after_u, spec.question_gap, spec.first_gap)
     else:
         tail = region(after_u, regions[False])
     prompt = head + item + tail + question

@@ -52,6 +52,7 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("+model.n_experts=8", "model.n_experts"),
         ("data.seq_len=0", "data.seq_len"),
         ("data.seq_len=-5", "data.seq_len"),
+        ("data.window_start=middle", "data.window_start"),
         ("model.max_seq_len=0", "model.max_seq_len"),
         ("data.source.paths=[/nonexistent/corpus.jsonl]", "data.source.paths"),
         ("data.tokenizer.path=/nonexistent/tokenizer.json", "data.tokenizer.path"),

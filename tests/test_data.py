@@ -94,6 +94,34 @@ def test_windows_are_deterministic_by_seed_index_rank(tmp_path, corpus_file):
     assert len(val) == 3 and (val[1][0] == val[0][-1])  # consecutive windows share their boundary token
 
 
+def test_document_windows_open_where_a_document_begins(tmp_path):
+    # Documents of random lengths (one shorter than a window, one longer) separated by eos=0, in two shards.
+    rng = np.random.default_rng(1)
+    eos, paths, starts = 0, [], set()
+    for s in range(2):
+        tokens = []
+        for length in rng.integers(5, 60, 12):
+            starts.add((s, len(tokens)))
+            tokens += list(rng.integers(1, 500, length)) + [eos]
+        paths.append(tmp_path / f"s{s}.bin")
+        shards.write_shard(paths[-1], np.array(tokens, dtype=np.uint16))
+    ds = RandomWindows(paths, seq_len=24, batch_size=16, seed=3, rank=0, length=50, start="document", eos_id=eos)
+    data = [shards.read_shard(p) for p in paths]
+    seen = set()
+    for i in range(50):
+        for row in ds[i].numpy():
+            hits = [(s, o) for s, o in starts
+                    if o + 25 <= data[s].size and (data[s][o : o + 25] == row).all()]
+            assert hits, "a window that does not open at a document start"
+            seen.update(hits)
+    assert len(seen) > 10  # many different documents are drawn, from both shards
+    assert {s for s, _ in seen} == {0, 1}
+    with pytest.raises(ValueError, match="eos_id"):
+        RandomWindows(paths, 24, 4, 0, 0, 10, start="document")
+    with pytest.raises(ValueError, match="window start"):
+        RandomWindows(paths, 24, 4, 0, 0, 10, start="middle")
+
+
 def test_existing_tokenizer_is_loaded(tmp_path, corpus_file):
     first = prepare(data_cfg([corpus_file]), tmp_path / "a", progress=False)
     cfg = data_cfg([corpus_file])

@@ -49,6 +49,22 @@ def test_needle_is_the_only_number_and_questions_keep_their_gap():
     assert once.prompt.count(" ?") == 1 and once.distance == 300 and len(once.answer.strip()) == 2
 
 
+def test_needle_first_question_comes_near_and_the_rest_keep_their_gap():
+    spec = ProbeSpec(task="needle", length=3000, value_digits=1, question_gap=400, first_gap=150, min_distance=2000,
+                     seed=9)
+    firsts = []
+    for probe in generate(spec, 40):
+        code = probe.answer.strip()
+        asked = [m.start() for m in re.finditer(r" \?", probe.prompt)]
+        firsts.append(asked[0] - probe.item_span[1])
+        assert 0 <= firsts[-1] <= 150  # within the near gap (0..150 characters after the number)
+        starts = [a + len(" ? " + code) for a in asked[:-1]]
+        assert all(a - s >= 400 for s, a in zip(starts, asked[1:]))  # later questions keep the full gap
+    assert min(firsts) < 50 < max(firsts)  # drawn across the range, not pinned to one end
+    with pytest.raises(ValueError, match="first_gap"):
+        ProbeSpec(task="needle", question_gap=400, first_gap=-1)
+
+
 RECALL_PAIR = re.compile(r" ([a-z]+)(\d+)")
 
 
