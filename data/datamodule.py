@@ -44,8 +44,8 @@ class RandomWindows(Dataset):
         else:
             self.windows = np.maximum(sizes - seq_len, 0)
         if self.windows.sum() == 0:
-            where = "starting at a document boundary " if start == "document" else ""
-            raise ValueError(f"training shards hold no window of seq_len + 1 = {seq_len + 1} tokens {where}")
+            where = " starting where a document begins" if start == "document" else ""
+            raise ValueError(f"training shards hold no window of seq_len + 1 = {seq_len + 1} tokens{where}")
         self.cum = np.cumsum(self.windows)
         self._shards = None
 

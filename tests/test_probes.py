@@ -150,7 +150,7 @@ def test_probes_train_and_evaluate_end_to_end(tmp_path, data_cache):
 
     run = tmp_path / "run"
     probes = ["data=probes", "data.probes.task=kv", "data.probes.length=180", "data.probes.num_pairs=2",
-              "data.probes.num_docs=300", "data.probes.filler=repeat"]
+              "data.probes.num_docs=300", "data.probes.filler=repeat", "data.window_start=document"]
     cfg = compose_train(TINY + probes + ["attention=sa", "attention.window=8", "trainer.max_steps=3",
                                          "trainer.val_every_n_steps=3", "data.val_windows=2"], run, cache=data_cache)
     assert cfg.data.source.kind == "files" and cfg.data.source.paths == [cfg.data.probes.file]
