@@ -23,7 +23,7 @@ Four tasks, each a prompt that ends in a question and an answer to predict:
            document test retrieval (kv and passkey have one question per document). The prompt ends with a key
            last seen at the requested distance: "... qx" -> "47".
 With answers every 20-40 tokens (`question_gap`), a 1.1M-parameter model with full attention learns `needle` in
-280 steps on the CPU; the banded variants need more (RESULTS.md). The other tasks were not learned at that budget.
+280-500 steps on the CPU; the banded variants need more (RESULTS.md). The other tasks were not learned at that budget.
 
 Distance d = the length of the prompt AFTER the needed item (the queried pair, or the needle), in the probe's units:
 characters, or tokens of a given tokenizer. The query at the last prompt token is d positions after the item's last
