@@ -35,9 +35,6 @@ def check_config(cfg: DictConfig):
             raise ConfigError(f"trainer.{key}", cfg.trainer[key], "must be a positive integer")
     if cfg.data.batch_size < 1:
         raise ConfigError("data.batch_size", cfg.data.batch_size, "must be a positive integer")
-    if cfg.data.get("window_start", "any") not in ("any", "document"):
-        raise ConfigError("data.window_start", cfg.data.window_start,
-                          "choose any (windows at any token) or document (windows open where a document begins)")
     if cfg.trainer.strategy not in ("auto", "ddp", "fsdp", "ddp_spawn"):
         raise ConfigError("trainer.strategy", cfg.trainer.strategy, "choose auto, ddp, fsdp or ddp_spawn")
     from tools.guards import refuse_multirun_ddp

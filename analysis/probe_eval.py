@@ -182,7 +182,7 @@ def evaluate(given: dict, attention: dict | None = None, log=print) -> dict:
     reach = mcfg.n_layers * (acfg.window - 1)
     tasks = [t for t in str(cfg["task"]).split(",") if t]
     summary = {"suite": "probes", "checkpoint": str(ckpt), "attention": {"kind": acfg.kind, "window": acfg.window,
-               "eval_seed": acfg.eval_seed}, "context": context, "swa_reach": mcfg.n_layers * (acfg.window - 1),
+               "eval_seed": acfg.eval_seed}, "context": context, "swa_reach": reach,
                "settings": cfg, "results": [], "buckets": {}}
     for task in tasks:
         examples = build_examples(tok, task, int(cfg["num"]), context, int(cfg["seed"]), int(cfg["num_pairs"]),

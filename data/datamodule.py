@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from data.prepare import WINDOW_STARTS
 from data.shards import read_shard
 from model.permutation import seeded_generator
 
@@ -26,12 +27,10 @@ class RandomWindows(Dataset):
     questions whose answer is not in its context at all, and that noise is what the model then learns.
     """
 
-    STARTS = ("any", "document")
-
     def __init__(self, shard_paths: list[Path], seq_len: int, batch_size: int, seed: int, rank: int, length: int,
                  start: str = "any", eos_id: int | None = None):
-        if start not in self.STARTS:
-            raise ValueError(f"window start {start!r}: choose one of {self.STARTS}")
+        if start not in WINDOW_STARTS:
+            raise ValueError(f"window start {start!r}: choose one of {WINDOW_STARTS}")
         if start == "document" and eos_id is None:
             raise ValueError("document-aligned windows need the end-of-text token id (eos_id)")
         self.paths, self.seq_len, self.batch_size = [str(p) for p in shard_paths], seq_len, batch_size

@@ -60,6 +60,9 @@ def cache_key(cfg: dict) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+WINDOW_STARTS = ("any", "document")  # training windows open at any token, or only where a document begins
+
+
 def validate_data_config(cfg: dict) -> None:
     kind = cfg["source"]["kind"]
     if kind not in sources.SOURCE_KINDS:
@@ -68,6 +71,9 @@ def validate_data_config(cfg: dict) -> None:
         sources.resolve_files(cfg["source"].get("paths"))
     if kind == "hf" and not cfg["source"].get("name"):
         raise ConfigError("data.source.name", None, "data.source.kind=hf needs a dataset name")
+    if cfg.get("window_start", "any") not in WINDOW_STARTS:
+        raise ConfigError("data.window_start", cfg["window_start"],
+                          "choose any (windows at any token) or document (windows open where a document begins)")
     if not 0 < cfg["val_fraction"] < 1:
         raise ConfigError("data.val_fraction", cfg["val_fraction"], "must lie strictly between 0 and 1")
     tok_path = cfg["tokenizer"].get("path")
