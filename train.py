@@ -48,6 +48,18 @@ def check_config(cfg: DictConfig):
     return model_cfg, attn_cfg
 
 
+def _loss_token(text: str, tokenizer_path: Path) -> int:
+    from data.tokenizer import load_tokenizer, single_token_id
+    from model.config import ConfigError
+
+    tok = load_tokenizer(tokenizer_path)
+    token_id = single_token_id(tok, text)
+    if token_id is None:
+        raise ConfigError("data.loss_only_after", text, f"is {tok.encode(text).tokens} with this run's tokenizer; "
+                          "give text that is exactly one token (mind the leading space)")
+    return token_id
+
+
 def _precision(cfg, accelerator_is_cuda: bool) -> str:
     if cfg.trainer.precision != "auto":
         return cfg.trainer.precision
@@ -132,6 +144,8 @@ def train(cfg: DictConfig) -> dict:
         raise ConfigError("model.vocab_size", model_cfg.vocab_size,
                           f"smaller than the tokenizer's vocabulary ({data.vocab_size}); raise it to >= {data.vocab_size}")
     module.tokenizer_json = data.tokenizer_path.read_text()
+    if cfg.data.get("loss_only_after") is not None:
+        module.loss_after_id = _loss_token(cfg.data.loss_only_after, data.tokenizer_path)
     console.print(f"[bold]data[/]: {data.meta['tokens']['train']:,} train / {data.meta['tokens']['val']:,} val tokens "
                   f"in {data.root}")
 

@@ -18,6 +18,19 @@ from data.shards import read_shard
 from model.permutation import seeded_generator
 
 
+def document_starts(tokens: np.ndarray, eos_id: int, seq_len: int) -> np.ndarray:
+    """Offsets where a document begins (0 and after each end-of-text token) that have seq_len + 1 tokens after them."""
+    starts = np.concatenate([[0], np.flatnonzero(np.asarray(tokens) == eos_id) + 1])
+    return starts[starts + seq_len < tokens.size]
+
+
+def _check_start(start: str, eos_id: int | None) -> None:
+    if start not in WINDOW_STARTS:
+        raise ValueError(f"window start {start!r}: choose one of {WINDOW_STARTS}")
+    if start == "document" and eos_id is None:
+        raise ValueError("document-aligned windows need the end-of-text token id (eos_id)")
+
+
 class RandomWindows(Dataset):
     """Item i = one micro-batch [batch_size, seq_len + 1] of random windows from the train shards.
 
@@ -29,16 +42,13 @@ class RandomWindows(Dataset):
 
     def __init__(self, shard_paths: list[Path], seq_len: int, batch_size: int, seed: int, rank: int, length: int,
                  start: str = "any", eos_id: int | None = None):
-        if start not in WINDOW_STARTS:
-            raise ValueError(f"window start {start!r}: choose one of {WINDOW_STARTS}")
-        if start == "document" and eos_id is None:
-            raise ValueError("document-aligned windows need the end-of-text token id (eos_id)")
+        _check_start(start, eos_id)
         self.paths, self.seq_len, self.batch_size = [str(p) for p in shard_paths], seq_len, batch_size
         self.seed, self.rank, self.length = seed, rank, length
         self.offsets = None  # per shard, the valid start offsets when they are not simply 0..size-seq_len-1
         sizes = np.array([read_shard(p).size for p in self.paths])
         if start == "document":
-            self.offsets = [self._document_starts(read_shard(p), eos_id, seq_len) for p in self.paths]
+            self.offsets = [document_starts(read_shard(p), eos_id, seq_len) for p in self.paths]
             self.windows = np.array([len(o) for o in self.offsets])
         else:
             self.windows = np.maximum(sizes - seq_len, 0)
@@ -47,11 +57,6 @@ class RandomWindows(Dataset):
             raise ValueError(f"training shards hold no window of seq_len + 1 = {seq_len + 1} tokens{where}")
         self.cum = np.cumsum(self.windows)
         self._shards = None
-
-    @staticmethod
-    def _document_starts(tokens: np.ndarray, eos_id: int, seq_len: int) -> np.ndarray:
-        starts = np.concatenate([[0], np.flatnonzero(np.asarray(tokens) == eos_id) + 1])
-        return starts[starts + seq_len < tokens.size]
 
     def __len__(self):
         return self.length
@@ -72,16 +77,27 @@ class RandomWindows(Dataset):
 
 
 class FixedWindows(Dataset):
-    """Consecutive, non-overlapping windows from the start of the validation shard: the same set in every run."""
+    """Non-overlapping windows from the start of the validation shard, the same set in every run: consecutive ones, or
+    with `start="document"` (like the training windows) each opening at the next document start after the last."""
 
-    def __init__(self, shard_path: Path, seq_len: int, max_windows: int):
+    def __init__(self, shard_path: Path, seq_len: int, max_windows: int, start: str = "any",
+                 eos_id: int | None = None):
+        _check_start(start, eos_id)
         tokens = read_shard(shard_path)
-        count = min(max_windows, (tokens.size - 1) // seq_len)
-        if count < 1:
-            raise ValueError(f"validation shard {shard_path} holds fewer than seq_len + 1 = {seq_len + 1} tokens")
+        if start == "document":
+            offsets, free = [], 0
+            for s in document_starts(tokens, eos_id, seq_len):
+                if s >= free and len(offsets) < max_windows:
+                    offsets.append(int(s))
+                    free = s + seq_len
+        else:
+            offsets = [i * seq_len for i in range(min(max_windows, (tokens.size - 1) // seq_len))]
+        if not offsets:
+            where = " starting where a document begins" if start == "document" else ""
+            raise ValueError(f"validation shard {shard_path} holds no window of seq_len + 1 = {seq_len + 1} tokens"
+                             f"{where}")
         self.windows = torch.from_numpy(
-            np.stack([np.asarray(tokens[i * seq_len : i * seq_len + seq_len + 1], dtype=np.int64) for i in range(count)])
-        )
+            np.stack([np.asarray(tokens[o : o + seq_len + 1], dtype=np.int64) for o in offsets]))
 
     def __len__(self):
         return len(self.windows)
@@ -117,5 +133,6 @@ class TokenDataModule(L.LightningDataModule):
                           persistent_workers=self.num_workers > 0)
 
     def val_dataloader(self):
-        dataset = FixedWindows(self.val_shard, self.seq_len, self.val_windows)
+        dataset = FixedWindows(self.val_shard, self.seq_len, self.val_windows, start=self.window_start,
+                               eos_id=self.eos_id)
         return DataLoader(dataset, batch_size=self.val_batch_size, shuffle=False, num_workers=0)

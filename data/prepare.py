@@ -74,6 +74,10 @@ def validate_data_config(cfg: dict) -> None:
     if cfg.get("window_start", "any") not in WINDOW_STARTS:
         raise ConfigError("data.window_start", cfg["window_start"],
                           "choose any (windows at any token) or document (windows open where a document begins)")
+    after = cfg.get("loss_only_after")
+    if after is not None and (not isinstance(after, str) or not after):
+        raise ConfigError("data.loss_only_after", after,
+                          'give the text of one token, e.g. " ?" (quoted), or null to train on every token')
     if not 0 < cfg["val_fraction"] < 1:
         raise ConfigError("data.val_fraction", cfg["val_fraction"], "must lie strictly between 0 and 1")
     tok_path = cfg["tokenizer"].get("path")

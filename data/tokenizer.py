@@ -43,5 +43,11 @@ def eos_id(tok: Tokenizer) -> int:
     return token_id
 
 
+def single_token_id(tok: Tokenizer, text: str) -> int | None:
+    """The id of `text` if the tokenizer encodes it as exactly one token, else None."""
+    ids = tok.encode(text).ids
+    return ids[0] if len(ids) == 1 else None
+
+
 def tokenizer_hash(tok: Tokenizer) -> str:
     return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]

@@ -42,6 +42,7 @@ class LitDecoder(L.LightningModule):
         self._last_time = None
         self._peak = None
         self.tokenizer_json: str | None = None  # saved inside every checkpoint, so a checkpoint alone can be evaluated
+        self.loss_after_id: int | None = None  # data.loss_only_after: only targets that follow this token count
 
     def on_save_checkpoint(self, checkpoint):
         if self.tokenizer_json is not None:
@@ -63,12 +64,19 @@ class LitDecoder(L.LightningModule):
         self.model.sampler.step = self.global_step  # SA permutations seeded by (seed, step, layer, rank)
 
     def _loss(self, batch):
+        """(mean loss over the counted targets, their number, how many of them greedy decoding gets right or None)."""
         tokens, targets = batch[:, :-1], batch[:, 1:]
         logits = self.model(tokens)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        if self.loss_after_id is None:
+            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)), targets.numel(), None
+        counted = tokens == self.loss_after_id
+        picked, answers = logits[counted].float(), targets[counted]
+        # A batch without the token contributes a zero loss (and no gradient) rather than a NaN mean.
+        loss = F.cross_entropy(picked, answers, reduction="sum") / max(1, answers.numel())
+        return loss, answers.numel(), (picked.argmax(-1) == answers).sum()
 
     def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
+        loss, _, _ = self._loss(batch)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
                 f"training loss became {loss.item()} at step {self.global_step}; stopping. The last good checkpoint "
@@ -96,8 +104,12 @@ class LitDecoder(L.LightningModule):
         self.log("train/grad_norm", norm)
 
     def validation_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
+        loss, counted, right = self._loss(batch)
+        if right is None:
+            self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
+        elif counted:  # answers only: weight each batch by its number of answers
+            self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=counted)
+            self.log("val/answer_acc", right.float() / counted, sync_dist=True, batch_size=counted)
         return loss
 
     def on_validation_epoch_end(self):

@@ -6,6 +6,7 @@ import re
 import pytest
 
 from conftest import TINY, compose_train
+from model.config import ConfigError
 from data.probes import CharUnits, ProbesCallback, ProbeSpec, TokenUnits, generate, make_probe, write_jsonl
 
 PAIR = re.compile(r" (k\d+): (v\d+)\.")
@@ -169,3 +170,23 @@ def test_probes_train_and_evaluate_end_to_end(tmp_path, data_cache):
     recall = evaluate({"ckpt": str(run), "task": "recall", "num": 6, "num_pairs": 5, "key_digits": 1,
                        "value_digits": 2, "context": 60, "buckets": 2}, {"window": 8})
     assert sum(b["n"] for b in recall["buckets"]["recall"]) == 6  # token-unit recall prompts fit and are scored
+
+
+def test_needle_trains_on_its_answers_only(tmp_path, data_cache):
+    """data.loss_only_after=" ?" trains on the needle's answers: the validation loss and accuracy are over answers."""
+    from train import train
+
+    probes = ["data=probes", "data.probes.task=needle", "data.probes.length=300", "data.probes.value_digits=1",
+              "data.probes.question_gap=30", "data.probes.num_docs=200", "data.probes.filler=random",
+              "data.window_start=document"]
+    cfg = compose_train(TINY + probes + ["attention=sa", "attention.window=8", "trainer.max_steps=3",
+                                         "trainer.val_every_n_steps=3", "data.val_windows=2",
+                                         "data.loss_only_after=' ?'"], tmp_path / "run", cache=data_cache)
+    assert cfg.data.loss_only_after == " ?"
+    ProbesCallback().on_job_start(config=cfg)
+    metrics = train(cfg)
+    assert 0.0 <= float(metrics["val/answer_acc"]) <= 1.0 and float(metrics["val/loss"]) > 0
+    cfg = compose_train(TINY + probes + ["trainer.max_steps=1", "data.loss_only_after=' ? ?'"], tmp_path / "bad",
+                        cache=data_cache)
+    with pytest.raises(ConfigError, match="data.loss_only_after"):
+        train(cfg)
