@@ -68,7 +68,8 @@ class LitDecoder(L.LightningModule):
         tokens, targets = batch[:, :-1], batch[:, 1:]
         logits = self.model(tokens)
         if self.loss_after_id is None:
-            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)), targets.numel(), None
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            return loss, targets.numel(), None
         counted = tokens == self.loss_after_id
         picked, answers = logits[counted].float(), targets[counted]
         # A batch without the token contributes a zero loss (and no gradient) rather than a NaN mean.
