@@ -48,7 +48,10 @@ def check_config(cfg: DictConfig):
     return model_cfg, attn_cfg
 
 
-def _loss_token(text: str, tokenizer_path: Path) -> int:
+def _loss_token(text: str, tokenizer_path: Path, val_shard: Path) -> int:
+    """The id of the one token whose successors carry the loss; refused if the text is not one token or never occurs
+    in the validation text (e.g. " ?" passed unquoted through a shell arrives as "?", a different token)."""
+    from data.shards import read_shard
     from data.tokenizer import load_tokenizer, single_token_id
     from model.config import ConfigError
 
@@ -57,6 +60,10 @@ def _loss_token(text: str, tokenizer_path: Path) -> int:
     if token_id is None:
         raise ConfigError("data.loss_only_after", text, f"is {tok.encode(text).tokens} with this run's tokenizer; "
                           "give text that is exactly one token (mind the leading space)")
+    if not (read_shard(val_shard) == token_id).any():
+        raise ConfigError("data.loss_only_after", text,
+                          f"token {tok.id_to_token(token_id)!r} never occurs in the validation text, so nothing would "
+                          "be trained; check the leading space (on a shell: 'data.loss_only_after=\" ?\"')")
     return token_id
 
 
@@ -145,7 +152,8 @@ def train(cfg: DictConfig) -> dict:
                           f"smaller than the tokenizer's vocabulary ({data.vocab_size}); raise it to >= {data.vocab_size}")
     module.tokenizer_json = data.tokenizer_path.read_text()
     if cfg.data.get("loss_only_after") is not None:
-        module.loss_after_id = _loss_token(cfg.data.loss_only_after, data.tokenizer_path)
+        module.loss_only_after = str(cfg.data.loss_only_after)
+        module.loss_after_id = _loss_token(module.loss_only_after, data.tokenizer_path, data.val_shard)
     console.print(f"[bold]data[/]: {data.meta['tokens']['train']:,} train / {data.meta['tokens']['val']:,} val tokens "
                   f"in {data.root}")
 

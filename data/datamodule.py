@@ -19,7 +19,7 @@ from model.permutation import seeded_generator
 
 
 def document_starts(tokens: np.ndarray, eos_id: int, seq_len: int) -> np.ndarray:
-    """Offsets where a document begins (0 and after each end-of-text token) that have seq_len + 1 tokens after them."""
+    """Offsets where a document begins (0 and after each end-of-text token) with seq_len + 1 tokens from there on."""
     starts = np.concatenate([[0], np.flatnonzero(np.asarray(tokens) == eos_id) + 1])
     return starts[starts + seq_len < tokens.size]
 
@@ -87,7 +87,9 @@ class FixedWindows(Dataset):
         if start == "document":
             offsets, free = [], 0
             for s in document_starts(tokens, eos_id, seq_len):
-                if s >= free and len(offsets) < max_windows:
+                if len(offsets) == max_windows:
+                    break
+                if s >= free:
                     offsets.append(int(s))
                     free = s + seq_len
         else:

@@ -60,7 +60,7 @@ def cache_key(cfg: dict) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-WINDOW_STARTS = ("any", "document")  # training windows open at any token, or only where a document begins
+WINDOW_STARTS = ("any", "document")  # training and validation windows open at any token, or where a document begins
 
 
 def validate_data_config(cfg: dict) -> None:

@@ -8,6 +8,7 @@ import time
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 
 from model.config import AttentionConfig, ModelConfig
 from model.decoder import Decoder
@@ -42,14 +43,24 @@ class LitDecoder(L.LightningModule):
         self._last_time = None
         self._peak = None
         self.tokenizer_json: str | None = None  # saved inside every checkpoint, so a checkpoint alone can be evaluated
-        self.loss_after_id: int | None = None  # data.loss_only_after: only targets that follow this token count
+        # data.loss_only_after: the loss counts only the target right after each occurrence of this token (its id).
+        self.loss_only_after: str | None = None
+        self.loss_after_id: int | None = None
+        self._val_totals = None
 
     def on_save_checkpoint(self, checkpoint):
         if self.tokenizer_json is not None:
             checkpoint["tokenizer"] = self.tokenizer_json
+        checkpoint["loss_only_after"] = self.loss_only_after
 
     def on_load_checkpoint(self, checkpoint):
         self.tokenizer_json = checkpoint.get("tokenizer", self.tokenizer_json)
+        saved = checkpoint.get("loss_only_after")  # absent in older checkpoints: they trained on every token
+        if saved != self.loss_only_after:
+            from model.config import ConfigError
+
+            raise ConfigError("data.loss_only_after", self.loss_only_after,
+                              f"the checkpoint was trained with {saved!r}; resume with the same objective")
 
     def forward(self, tokens, lengths=None):
         return self.model(tokens, lengths)
@@ -64,17 +75,22 @@ class LitDecoder(L.LightningModule):
         self.model.sampler.step = self.global_step  # SA permutations seeded by (seed, step, layer, rank)
 
     def _loss(self, batch):
-        """(mean loss over the counted targets, their number, how many of them greedy decoding gets right or None)."""
+        """(mean loss over the counted targets, their number, how many of them greedy decoding gets right or None).
+
+        With data.loss_only_after each micro-batch is the mean over its own answers (no host sync); one without
+        any contributes a zero loss and no gradient.
+        """
         tokens, targets = batch[:, :-1], batch[:, 1:]
-        logits = self.model(tokens)
+        logits = self.model(tokens).float()
         if self.loss_after_id is None:
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-            return loss, targets.numel(), None
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)), targets.numel(), None
         counted = tokens == self.loss_after_id
-        picked, answers = logits[counted].float(), targets[counted]
-        # A batch without the token contributes a zero loss (and no gradient) rather than a NaN mean.
-        loss = F.cross_entropy(picked, answers, reduction="sum") / max(1, answers.numel())
-        return loss, answers.numel(), (picked.argmax(-1) == answers).sum()
+        answers = targets.masked_fill(~counted, -100)
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), answers.reshape(-1), ignore_index=-100,
+                                reduction="sum")
+        count = counted.sum()
+        right = ((logits.argmax(-1) == targets) & counted).sum() if not self.training else None
+        return total / count.clamp_min(1), count, right
 
     def training_step(self, batch, batch_idx):
         loss, _, _ = self._loss(batch)
@@ -104,16 +120,26 @@ class LitDecoder(L.LightningModule):
         norm = torch.nn.utils.clip_grad_norm_(self.parameters(), clip)
         self.log("train/grad_norm", norm)
 
+    def on_validation_epoch_start(self):
+        self._val_totals = torch.zeros(3, device=self.device)  # answers only: loss sum, answers, right answers
+
     def validation_step(self, batch, batch_idx):
         loss, counted, right = self._loss(batch)
-        if right is None:
+        if self.loss_after_id is None:
             self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
-        elif counted:  # answers only: weight each batch by its number of answers
-            self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=counted)
-            self.log("val/answer_acc", right.float() / counted, sync_dist=True, batch_size=counted)
+        else:  # summed here and reduced once at the end: batches and ranks weigh by their number of answers
+            self._val_totals += torch.stack([loss.detach() * counted, counted.float(), right.float()])
         return loss
 
     def on_validation_epoch_end(self):
+        if self.loss_after_id is not None:
+            totals = self.trainer.strategy.reduce(self._val_totals, reduce_op="sum")
+            if totals[1] > 0:
+                self.log("val/loss", totals[0] / totals[1], prog_bar=True)
+                self.log("val/answer_acc", totals[2] / totals[1])
+            else:
+                rank_zero_warn(f"no validation window holds data.loss_only_after={self.loss_only_after!r}; "
+                               "raise data.val_windows")
         loss = self.trainer.callback_metrics.get("val/loss")
         if loss is not None:
             self.log("val/ppl", torch.exp(loss), sync_dist=True)

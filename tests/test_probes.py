@@ -177,7 +177,8 @@ def test_needle_trains_on_its_answers_only(tmp_path, data_cache):
     from train import train
 
     probes = ["data=probes", "data.probes.task=needle", "data.probes.length=300", "data.probes.value_digits=1",
-              "data.probes.question_gap=30", "data.probes.num_docs=200", "data.probes.filler=random",
+              "data.probes.question_gap=30", "data.probes.first_gap=10", "data.probes.min_distance=260",
+              "data.probes.num_docs=200", "data.probes.filler=random",
               "data.window_start=document"]
     cfg = compose_train(TINY + probes + ["attention=sa", "attention.window=8", "trainer.max_steps=3",
                                          "trainer.val_every_n_steps=3", "data.val_windows=2",
@@ -186,7 +187,14 @@ def test_needle_trains_on_its_answers_only(tmp_path, data_cache):
     ProbesCallback().on_job_start(config=cfg)
     metrics = train(cfg)
     assert 0.0 <= float(metrics["val/answer_acc"]) <= 1.0 and float(metrics["val/loss"]) > 0
-    cfg = compose_train(TINY + probes + ["trainer.max_steps=1", "data.loss_only_after=' ? ?'"], tmp_path / "bad",
-                        cache=data_cache)
-    with pytest.raises(ConfigError, match="data.loss_only_after"):
-        train(cfg)
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    resumed = compose_train(TINY + probes + ["trainer.max_steps=4", f"ckpt_path={last}"], tmp_path / "resumed",
+                            cache=data_cache)
+    with pytest.raises(ConfigError, match="trained with ' \\?'"):  # the objective cannot change on resume
+        train(resumed)
+    # Not one token, or a token that never occurs (" ?" through a shell without its quotes arrives as "?").
+    for text, why in ((" ? ?", "exactly one token"), ("?", "never occurs")):
+        cfg = compose_train(TINY + probes + ["trainer.max_steps=1", f"data.loss_only_after='{text}'"],
+                            tmp_path / "bad", cache=data_cache)
+        with pytest.raises(ConfigError, match=why):
+            train(cfg)

@@ -76,23 +76,29 @@ def test_non_finite_loss_stops_with_the_step():
 
 
 def test_loss_only_after_counts_just_the_following_tokens():
+    torch.manual_seed(0)
     module = LitDecoder(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
                         attention=dict(kind="sa", window=4), optim={}, max_steps=10)
+    module.eval()  # the same permutations in every forward below
     batch = torch.randint(1, 32, (3, 13))
-    batch[0, 2], batch[1, 5], batch[1, 11] = 0, 0, 0  # token 0 asks; the token after it is the answer
+    batch[0, 2], batch[1, 5], batch[1, 11], batch[2, 12] = 0, 0, 0, 0  # token 0 asks; a last-slot ask has no answer
     full, n_all, _ = module._loss(batch)
     module.loss_after_id = 0
     loss, counted, right = module._loss(batch)
     logits = module.model(batch[:, :-1])
-    expected = torch.nn.functional.cross_entropy(logits[[0, 1, 1], [2, 5, 11]], batch[[0, 1, 1], [3, 6, 12]])
+    rows, cols = [0, 1, 1], [2, 5, 11]
+    expected = torch.nn.functional.cross_entropy(logits[rows, cols], batch[rows, [c + 1 for c in cols]])
     assert counted == 3 and n_all == 36 and abs(loss.item() - expected.item()) < 1e-5
     assert abs(loss.item() - full.item()) > 1e-4  # the other 33 targets are not averaged in
-    assert right == (logits[[0, 1, 1], [2, 5, 11]].argmax(-1) == batch[[0, 1, 1], [3, 6, 12]]).sum()
-    loss.backward()  # only the answers' logits carry gradient to the head ...
-    assert module.model.embed.weight.grad is not None
-    module.zero_grad()
-    empty, counted, _ = module._loss(torch.randint(1, 32, (2, 9)))  # ... and a batch without the token adds nothing
+    assert right == (logits[rows, cols].argmax(-1) == batch[rows, [c + 1 for c in cols]]).sum()
+    grads = torch.autograd.grad(loss, list(module.parameters()), allow_unused=True)
+    wanted = torch.autograd.grad(expected, list(module.parameters()), allow_unused=True)
+    for got, want in zip(grads, wanted):  # the same gradient as the loss on the three answers alone
+        assert (got is None) == (want is None) and (got is None or torch.allclose(got, want, atol=1e-6))
+    empty, counted, _ = module._loss(torch.randint(1, 32, (2, 9)))  # a batch without the token adds nothing
     assert counted == 0 and empty.item() == 0.0
+    empty.backward()
+    assert all(p.grad is None or not p.grad.any() for p in module.parameters())
 
 
 def run_cli(args, cwd, env_extra=None, timeout=600):
