@@ -195,7 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0, help="eval mode: the eval seed; train mode: the run seed")
     ap.add_argument("--mode", choices=("eval", "train"), default="eval", help="which permutations the model draws")
-    ap.add_argument("--step", type=int, default=0, help="train mode: the global step")
+    ap.add_argument("--step", type=int, default=0,
+                    help="train mode: the micro-batch index (= the global step without accumulation)")
     ap.add_argument("--keys", default="4096", help="number of sampled keys, or 'all' (exact; ~8x slower at n=32768)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--out", type=Path, default=Path("runs/analysis/coverage"))

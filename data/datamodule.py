@@ -108,6 +108,21 @@ class FixedWindows(Dataset):
         return self.windows[i]
 
 
+class _RemainingBatches:
+    """Micro-batch indices start..total-1, with the length of the whole run: a resumed Lightning epoch adds the
+    batches it already ran to its fetch count, so a length of only the remaining ones ended the epoch early and
+    started a new one that replayed old batches."""
+
+    def __init__(self, start: int, total: int):
+        self.start, self.total = start, total
+
+    def __iter__(self):
+        return iter(range(self.start, self.total))
+
+    def __len__(self):
+        return self.total
+
+
 class TokenDataModule(L.LightningDataModule):
     def __init__(self, train_shards, val_shard, seq_len: int, batch_size: int, seed: int = 0, val_windows: int = 64,
                  val_batch_size: int | None = None, num_workers: int = 0, total_micro_batches: int = 10**9,
@@ -130,9 +145,8 @@ class TokenDataModule(L.LightningDataModule):
         rank = self.trainer.global_rank if self.trainer is not None else 0
         dataset = RandomWindows(self.train_shards, self.seq_len, self.batch_size, self.seed, rank, self.total,
                                 start=self.window_start, eos_id=self.eos_id)
-        start = self._start()
-        return DataLoader(dataset, batch_size=None, sampler=range(start, self.total), num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+        return DataLoader(dataset, batch_size=None, sampler=_RemainingBatches(self._start(), self.total),
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
     def val_dataloader(self):
         dataset = FixedWindows(self.val_shard, self.seq_len, self.val_windows, start=self.window_start,

@@ -72,7 +72,10 @@ class LitDecoder(L.LightningModule):
             self._peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
     def on_train_batch_start(self, batch, batch_idx):
-        self.model.sampler.step = self.global_step  # SA permutations seeded by (seed, step, layer, rank)
+        # SA permutations are seeded by (seed, micro-batch, layer, rank): every forward pass draws fresh ones, also
+        # within one accumulated optimizer step, and a resumed run draws the same ones again.
+        accumulate = self.trainer.accumulate_grad_batches
+        self.model.sampler.step = self.global_step * accumulate + batch_idx % accumulate
 
     def _loss(self, batch):
         """(mean loss over the counted targets, their number, how many of them greedy decoding gets right or None).
@@ -117,7 +120,11 @@ class LitDecoder(L.LightningModule):
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         clip = self.optim_cfg.get("grad_clip") or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), clip)
+        root = self.trainer.model
+        if hasattr(root, "clip_grad_norm_"):  # FSDP: the norm over all shards, not over this rank's shard only
+            norm = root.clip_grad_norm_(clip)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.parameters(), clip)
         self.log("train/grad_norm", norm)
 
     def on_validation_epoch_start(self):

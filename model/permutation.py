@@ -1,6 +1,6 @@
 """The one permutation sampler of SA: model, analysis and tests all draw pi here.
 
-Training: a fresh pi per layer and per forward pass, from a generator seeded by (run seed, global step, layer, rank),
+Training: a fresh pi per layer and per forward pass, from a generator seeded by (run seed, micro-batch, layer, rank),
 so a resumed run replays exactly the same permutations. Evaluation: pi from (eval seed, layer), so scores are
 deterministic; an evaluator averages several eval seeds to see the spread.
 
@@ -44,7 +44,7 @@ class PermutationSampler:
     seed: int = 0
     eval_seed: int = 0
     rank: int = 0
-    step: int = 0  # the trainer's global step, set before every training forward
+    step: int = 0  # the micro-batch index (global step x accumulation + position in it), set before every forward
     per_sequence: bool = True
 
     def sample(self, layer: int, n: int, batch: int, training: bool, lengths=None, device=None) -> torch.Tensor:

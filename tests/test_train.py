@@ -47,18 +47,24 @@ def test_each_variant_trains_and_its_loss_falls(attention, tmp_path, corpus_file
 
 
 def test_resumed_run_reproduces_uninterrupted_losses(tmp_path, corpus_file, data_cache):
+    # Stopping at 2 of 8 (before half-way) and at 5 (after it, not a checkpoint multiple of the first): Lightning
+    # counts the batches already run into the epoch's length, so a loader that reported only the remaining ones
+    # ended the epoch early and replayed old batches.
     common = TINY + ["attention=gated_sa_swa", "attention.window=8", "optim.schedule_steps=8",
-                     "trainer.val_every_n_steps=4", "trainer.checkpoint_every_n_steps=4"]
+                     "trainer.val_every_n_steps=4"]
     full = read_metrics_after(compose_train(common + ["trainer.max_steps=8"], tmp_path / "a", corpus_file, data_cache))
-    compose_first = compose_train(common + ["trainer.max_steps=4"], tmp_path / "b", corpus_file, data_cache)
-    train(compose_first)
-    resumed_cfg = compose_train(common + ["trainer.max_steps=8", "resume=auto"], tmp_path / "b", corpus_file, data_cache)
-    os.rename(tmp_path / "b" / "metrics.csv", tmp_path / "b" / "metrics_first.csv")
-    train(resumed_cfg)
-    resumed = read_metrics(tmp_path / "b")["train/loss"]
-    assert sorted(resumed) == [4, 5, 6, 7]
-    for step in resumed:
-        assert abs(resumed[step] - full["train/loss"][step]) <= 1e-6, step
+    for stop in (2, 5):
+        run = tmp_path / f"stop{stop}"
+        every = [f"trainer.checkpoint_every_n_steps={stop}"]
+        train(compose_train(common + every + [f"trainer.max_steps={stop}"], run, corpus_file, data_cache))
+        resumed_cfg = compose_train(common + every + ["trainer.max_steps=8", "resume=auto"], run, corpus_file,
+                                    data_cache)
+        os.rename(run / "metrics.csv", run / "metrics_first.csv")
+        train(resumed_cfg)
+        resumed = read_metrics(run)["train/loss"]
+        assert sorted(resumed) == list(range(stop, 8)), stop
+        for step in resumed:
+            assert abs(resumed[step] - full["train/loss"][step]) <= 1e-6, (stop, step)
 
 
 def read_metrics_after(cfg):
@@ -73,6 +79,32 @@ def test_non_finite_loss_stops_with_the_step():
         module.model.embed.weight.fill_(float("nan"))
     with pytest.raises(NonFiniteLossError, match="at step 0"):
         module.training_step(torch.randint(0, 32, (2, 9)), 0)
+
+
+def test_each_micro_batch_of_an_accumulated_step_draws_its_own_permutations(tmp_path):
+    import lightning as L
+
+    class RecordSteps(L.Callback):
+        def __init__(self):
+            self.steps, self.perms = [], []
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            sampler = pl_module.model.sampler
+            self.steps.append(sampler.step)
+            self.perms.append(sampler.sample(0, 16, 1, training=True))
+
+    module = LitDecoder(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
+                        attention=dict(kind="sa", window=4), max_steps=3,
+                        optim=dict(lr=1e-3, weight_decay=0.0, betas=[0.9, 0.95], eps=1e-8, warmup_steps=1,
+                                   min_lr_ratio=0.1))
+    record = RecordSteps()
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, accumulate_grad_batches=2, logger=False, callbacks=[record],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    batches = torch.utils.data.DataLoader(torch.randint(0, 32, (6, 17)), batch_size=1, collate_fn=torch.stack)
+    trainer.fit(module, train_dataloaders=batches)
+    assert record.steps == [0, 1, 2, 3, 4, 5]
+    assert all(not torch.equal(a, b) for a, b in zip(record.perms[::2], record.perms[1::2]))
 
 
 def test_loss_only_after_counts_just_the_following_tokens():
