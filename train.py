@@ -33,8 +33,13 @@ def check_config(cfg: DictConfig):
     for key in ("max_steps", "val_every_n_steps", "checkpoint_every_n_steps", "accumulate_grad_batches"):
         if int(cfg.trainer[key]) < 1:
             raise ConfigError(f"trainer.{key}", cfg.trainer[key], "must be a positive integer")
-    if cfg.data.batch_size < 1:
-        raise ConfigError("data.batch_size", cfg.data.batch_size, "must be a positive integer")
+    for key in ("batch_size", "val_windows"):
+        if int(cfg.data[key]) < 1:
+            raise ConfigError(f"data.{key}", cfg.data[key], "must be a positive integer")
+    if cfg.data.get("val_batch_size") is not None and int(cfg.data.val_batch_size) < 1:
+        raise ConfigError("data.val_batch_size", cfg.data.val_batch_size, "must be a positive integer (or null: "
+                          "data.batch_size)")
+    _check_trainer_and_optim(cfg, ConfigError)
     if cfg.trainer.strategy not in ("auto", "ddp", "fsdp", "ddp_spawn"):
         raise ConfigError("trainer.strategy", cfg.trainer.strategy, "choose auto, ddp, fsdp or ddp_spawn")
     from tools.guards import refuse_multirun_ddp
@@ -46,6 +51,51 @@ def check_config(cfg: DictConfig):
         raise ConfigError("ckpt_path", cfg.ckpt_path, "no such checkpoint file")
     validate_data_config(OmegaConf.to_container(cfg.data, resolve=True))
     return model_cfg, attn_cfg
+
+
+PRECISIONS = ("auto", "32-true", "32", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
+
+
+def _check_trainer_and_optim(cfg: DictConfig, ConfigError):
+    """What L.Trainer and AdamW would only refuse after data preparation (hours for a large corpus)."""
+    t, o = cfg.trainer, cfg.optim
+    if str(t.precision) not in PRECISIONS:
+        raise ConfigError("trainer.precision", t.precision, f"choose one of {', '.join(PRECISIONS)}")
+    if t.accelerator not in ("auto", "cpu", "gpu", "cuda"):
+        raise ConfigError("trainer.accelerator", t.accelerator, "choose auto, cpu, gpu or cuda")
+    if not (t.devices in ("auto", -1) or (isinstance(t.devices, int) and t.devices >= 1)):
+        raise ConfigError("trainer.devices", t.devices, "give a device count (>= 1), -1 for all GPUs, or auto")
+    if int(t.num_nodes) < 1:
+        raise ConfigError("trainer.num_nodes", t.num_nodes, "must be a positive integer")
+    if not float(o.lr) > 0:
+        raise ConfigError("optim.lr", o.lr, "must be positive")
+    if float(o.weight_decay) < 0:
+        raise ConfigError("optim.weight_decay", o.weight_decay, "must be >= 0")
+    if len(o.betas) != 2 or not all(0 <= float(b) < 1 for b in o.betas):
+        raise ConfigError("optim.betas", list(o.betas), "two numbers in [0, 1), e.g. [0.9, 0.95]")
+    if int(o.warmup_steps) < 0:
+        raise ConfigError("optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    if not 0 <= float(o.min_lr_ratio) <= 1:
+        raise ConfigError("optim.min_lr_ratio", o.min_lr_ratio, "must lie in [0, 1] (a fraction of optim.lr)")
+    if o.get("grad_clip") is not None and float(o.grad_clip) < 0:
+        raise ConfigError("optim.grad_clip", o.grad_clip, "must be >= 0 (0 or null: no clipping)")
+    if o.get("tokens_per_step") is not None and int(o.tokens_per_step) < 1:
+        raise ConfigError("optim.tokens_per_step", o.tokens_per_step, "must be a positive integer (or null)")
+
+
+def _accumulation(cfg: DictConfig, world: int) -> int:
+    """Micro-batches per optimizer step: trainer.accumulate_grad_batches, or what optim.tokens_per_step needs."""
+    from model.config import ConfigError
+
+    if not cfg.optim.get("tokens_per_step"):
+        return int(cfg.trainer.accumulate_grad_batches)
+    per_micro = int(cfg.data.batch_size) * int(cfg.data.seq_len) * world
+    accumulate, rest = divmod(int(cfg.optim.tokens_per_step), per_micro)
+    if accumulate < 1 or rest:
+        raise ConfigError("optim.tokens_per_step", cfg.optim.tokens_per_step,
+                          f"must be a multiple of data.batch_size x data.seq_len x devices = {per_micro}; e.g. "
+                          f"{max(1, round(int(cfg.optim.tokens_per_step) / per_micro)) * per_micro}")
+    return accumulate
 
 
 def _loss_token(text: str, tokenizer_path: Path, val_shard: Path) -> int:
@@ -146,6 +196,12 @@ def train(cfg: DictConfig) -> dict:
                   f"({module.model.num_parameters(non_embedding=True) / 1e6:.2f}M non-embedding), "
                   f"attention={attn_cfg.kind} window={attn_cfg.window} backend={attn_cfg.backend}")
 
+    devices = cfg.trainer.devices
+    all_gpus = devices == -1 or (devices == "auto" and use_cuda)  # Lightning's auto takes every visible GPU
+    world = int(cfg.trainer.num_nodes) * (max(1, torch.cuda.device_count()) if all_gpus
+                                          else 1 if devices == "auto" else int(devices))
+    accumulate = _accumulation(cfg, world)  # refused here, before the data preparation, if it does not divide
+
     data = prepare(cfg.data, cfg.data.cache_dir)
     if data.vocab_size > model_cfg.vocab_size:
         raise ConfigError("model.vocab_size", model_cfg.vocab_size,
@@ -157,17 +213,11 @@ def train(cfg: DictConfig) -> dict:
     console.print(f"[bold]data[/]: {data.meta['tokens']['train']:,} train / {data.meta['tokens']['val']:,} val tokens "
                   f"in {data.root}")
 
-    devices = cfg.trainer.devices
-    world = int(cfg.trainer.num_nodes) * (torch.cuda.device_count() if devices == -1 and use_cuda else int(devices)
-                                           if devices not in ("auto", -1) else 1)
-    accumulate = int(cfg.trainer.accumulate_grad_batches)
-    if cfg.optim.get("tokens_per_step"):
-        per_micro = int(cfg.data.batch_size) * int(cfg.data.seq_len) * world
-        accumulate = max(1, round(int(cfg.optim.tokens_per_step) / per_micro))
     max_steps = int(cfg.trainer.max_steps)
     datamodule = TokenDataModule(data.train_shards, data.val_shard, seq_len=int(cfg.data.seq_len),
                                  batch_size=int(cfg.data.batch_size), seed=int(cfg.seed),
-                                 val_windows=int(cfg.data.val_windows), val_batch_size=int(cfg.data.val_batch_size),
+                                 val_windows=int(cfg.data.val_windows),
+                                 val_batch_size=int(cfg.data.val_batch_size or cfg.data.batch_size),
                                  num_workers=int(cfg.data.num_workers), total_micro_batches=max_steps * accumulate,
                                  window_start=str(cfg.data.get("window_start", "any")),
                                  eos_id=data.meta["tokenizer"]["eos_id"])

@@ -59,6 +59,15 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("data.tokenizer.path=/nonexistent/tokenizer.json", "data.tokenizer.path"),
         ("trainer.max_steps=0", "trainer.max_steps"),
         ("resume=yes", "resume"),
+        ("data.val_windows=0", "data.val_windows"),
+        ("data.val_batch_size=0", "data.val_batch_size"),
+        ("trainer.precision=bf16", "trainer.precision"),
+        ("trainer.accelerator=tpu", "trainer.accelerator"),
+        ("trainer.devices=[0,1]", "trainer.devices"),
+        ("optim.lr=0", "optim.lr"),
+        ("optim.betas=[0.9]", "optim.betas"),
+        ("optim.warmup_steps=-1", "optim.warmup_steps"),
+        ("optim.min_lr_ratio=2", "optim.min_lr_ratio"),
     ],
 )
 def test_bad_config_is_refused_with_its_key(override, key, tmp_path, corpus_file):
@@ -74,6 +83,16 @@ def test_benchmark_reads_the_same_model_presets_as_training(name, tmp_path):
 
     cfg = compose_train([f"model={name}"], tmp_path / "run")
     assert model_config(name) == from_mapping(ModelConfig, cfg.model, "model")
+
+
+def test_tokens_per_step_that_does_not_divide_is_refused_before_data_preparation(tmp_path, corpus_file):
+    from train import train
+
+    cfg = compose_train(TINY + ["optim.tokens_per_step=1000"], tmp_path / "run", corpus_file, tmp_path / "cache")
+    with pytest.raises(ConfigError, match="multiple of data.batch_size") as err:
+        train(cfg)
+    assert err.value.key == "optim.tokens_per_step"
+    assert not (tmp_path / "cache").exists()  # nothing was tokenized
 
 
 def test_window_at_least_context_is_valid(tmp_path, corpus_file):
