@@ -79,6 +79,8 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
 
     from lm_eval.utils import handle_non_serializable
 
+    from data.shards import atomic_write_text
+
     from hf.lm_eval_runner import evaluate_hf, primary_scores
 
     kind = attention.get("kind", "full")
@@ -93,7 +95,7 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
                           data_dir=eval_cfg.get("data_dir"), max_length=eval_cfg.get("max_length"),
                           bootstrap_iters=eval_cfg.get("bootstrap_iters", 1000))
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=handle_non_serializable))
+    atomic_write_text(out_dir / "results.json", json.dumps(results, indent=1, default=handle_non_serializable))
     scores = primary_scores(results)
     lines = ["| model | attention | w_eff | " + " | ".join(scores) + " |", "|---|---|---|" + "---|" * len(scores),
              f"| {name} | {kind} | {attention.get('window', '-')} | " + " | ".join(f"{v:.1f}" for v in scores.values()) + " |"]
@@ -101,7 +103,7 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
         for key in ("perplexity,none", "word_perplexity,none"):
             if isinstance(metrics.get(key), (int, float)):
                 lines.append(f"{task} {key.split(',')[0]}: {metrics[key]:.3f}")
-    (out_dir / "results.md").write_text("\n".join(lines) + "\n")
+    atomic_write_text(out_dir / "results.md", "\n".join(lines) + "\n")
     print("\n".join(lines) + f"\nresults: {out_dir / 'results.json'}")
     return None
 

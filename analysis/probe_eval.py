@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data.shards import atomic_write_text
+
 DEFAULTS = {"ckpt": None, "task": "kv,passkey", "num": 200, "num_pairs": 8, "key_digits": 3, "value_digits": 4,
             "filler": "sentences", "seed": 1234,
             "context": None, "min_distance": None, "max_distance": None, "buckets": 8, "batch_size": 8,
@@ -232,8 +234,8 @@ def main(argv=None) -> int:
         out = (run_dir / "eval" / "probes") if run_dir else Path("probe_eval")
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(summary)
-    (out / "results.json").write_text(json.dumps(summary, indent=1))
-    (out / "results.md").write_text(text)
+    atomic_write_text(out / "results.json", json.dumps(summary, indent=1))
+    atomic_write_text(out / "results.md", text)
     print(text)
     log(f"wrote {out / 'results.json'} and results.md")
     return 0

@@ -28,6 +28,11 @@ def dtype_for_vocab(vocab_size: int):
     return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) to `path` atomically: a reader never sees half a results file."""
+    atomic_write_bytes(path, [text.encode("utf-8")])
+
+
 def atomic_write_bytes(path: Path, chunks) -> None:
     """Write an iterable of byte chunks to `path` atomically."""
     path = Path(path)

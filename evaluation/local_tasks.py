@@ -35,13 +35,14 @@ import bz2
 import csv
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
 import yaml
+
+from data.shards import atomic_write_text
 
 CONVERTER_VERSION = 1
 SPLIT = "test"  # every converted file is exposed to lm-eval as its `test` split
@@ -241,14 +242,11 @@ def _write_jsonl(path: Path, docs: list[dict]):
     text = "".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in docs)
     if path.is_file() and path.read_text(encoding="utf-8") == text:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    atomic_write_text(path, text)
 
 
 def _write_yaml(path: Path, config: dict):
-    path.write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True), encoding="utf-8")
+    atomic_write_text(path, yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
 
 
 def _task_yaml(name: str, official: Path, data_files: dict[str, str], cache_dir: Path | None, **extra) -> dict:
@@ -347,7 +345,7 @@ def write_local_tasks(data_dir: str | Path, tasks: Iterable[str], task_dir: str 
                 result.missing[name] = f"{', '.join(map(str, sources))} holds no examples"
                 continue
             _write_jsonl(data, docs)
-            stamp.write_text(fingerprint)
+            atomic_write_text(stamp, fingerprint)
         yaml_path = task_dir / f"{name}.yaml"
         _write_yaml(yaml_path, _task_yaml(name, official / spec.official, {SPLIT: str(data)}, cache_dir))
         result.available[name] = yaml_path

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from data.shards import atomic_write_text
+
 ROOT = Path(__file__).resolve().parents[1]
 STOCHASTIC_KINDS = ("sa", "gated_sa_swa")  # attention whose eval scores depend on the permutation seed
 DEFAULTS = {"name": "custom", "tasks": ["wikitext", "lambada_openai"], "data_dir": None, "batch_size": 16,
@@ -192,7 +194,7 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         raw_dir.mkdir(exist_ok=True)
         from lm_eval.utils import handle_non_serializable
 
-        (raw_dir / f"seed{seed}.json").write_text(json.dumps(
+        atomic_write_text(raw_dir / f"seed{seed}.json", json.dumps(
             {k: v for k, v in results.items() if k != "samples"}, indent=1, default=handle_non_serializable))
     lm.eval_seed = seeds[0]
 
@@ -220,7 +222,7 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
                     for metric, entry in metrics.items()],
         "avg_acc": avg_entry, "seconds_per_seed": seconds, "seconds_total": time.time() - started,
     }
-    (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
+    atomic_write_text(out_dir / "results.json", json.dumps(summary, indent=1))
     footer = ["", f"Suite `{cfg['name']}` on `{info['checkpoint']}`; lm-eval {summary['lm_eval_version']}, 0-shot, "
               f"{info['dtype']}, batch {lm.batch_size}, seeds {seeds}"
               + (f", limit {cfg['limit']}" if cfg["limit"] else "")
@@ -231,7 +233,7 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
     if plan.skipped:
         footer.append("Skipped (no data): " + ", ".join(plan.skipped) + ".")
     markdown = table + "\n" + "\n".join(footer) + "\n"
-    (out_dir / "results.md").write_text(markdown, encoding="utf-8")
+    atomic_write_text(out_dir / "results.md", markdown)
     summary.update(table=markdown, json=str(out_dir / "results.json"), markdown=str(out_dir / "results.md"))
     summary["by_task"] = combined
     return summary

@@ -53,6 +53,11 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(state, strict=False)
     # A gated checkpoint evaluated as plain SA/SWA drops its gates; anything else missing is an error.
+    if missing and all(".attn.gate." in k for k in missing) and not unexpected:
+        from model.config import ConfigError
+
+        raise ConfigError("attention.kind", attn["kind"], f"checkpoint {ckpt_path} was trained as "
+                          f"{hp['attention']['kind']!r} and has no gates; evaluate it as full, swa or sa")
     if missing or [k for k in unexpected if ".attn.gate." not in k]:
         raise RuntimeError(f"checkpoint {ckpt_path} does not match the model: missing {missing}, unexpected {unexpected}")
     if "tokenizer" not in ckpt:

@@ -597,6 +597,15 @@ def test_evaluate_py_on_a_run_directory(tiny_ckpt, evaldata, tmp_path):
     assert (out / ".hydra" / "config.yaml").is_file()
 
 
+def test_gates_asked_of_an_ungated_checkpoint_are_a_config_error(tiny_ckpt):
+    from model.checkpoint import load_checkpoint
+    from model.config import ConfigError
+
+    with pytest.raises(ConfigError, match="was trained as 'sa' and has no gates") as err:
+        load_checkpoint(tiny_ckpt, {"kind": "gated_sa_swa"})
+    assert err.value.key == "attention.kind"
+
+
 def test_evaluate_py_reports_a_missing_checkpoint(tmp_path):
     proc = _run([str(ROOT / "evaluate.py"), f"ckpt={tmp_path / 'nope'}", f"out_dir={tmp_path / 'o'}"], tmp_path)
     assert proc.returncode == 2 and "error: no checkpoint" in proc.stderr

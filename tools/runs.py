@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def read_evals(run_dir: Path) -> dict[str, float]:
     for path in sorted((run_dir / "eval").rglob("results.json")) if (run_dir / "eval").is_dir() else []:
         try:
             data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, json.JSONDecodeError) as err:
+            print(f"warning: skipping unreadable {path}: {err}", file=sys.stderr)
             continue
         for entry in data.get("results", []):
             if isinstance(entry, dict) and entry.get("value") is not None and "task" in entry and "metric" in entry:
