@@ -7,10 +7,13 @@ reuses the folder.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import json
+import sys
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,11 +101,36 @@ def _load_prepared(root: Path) -> PreparedData:
 
 
 def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
+    """The prepared shards of `cfg`, built once per cache key. Concurrent callers (every rank of a torchrun/srun
+    job, or sweep jobs started side by side) wait for the one that builds them instead of all tokenizing."""
     cfg = _plain(cfg)
     validate_data_config(cfg)
     root = Path(cache_dir) / f"{cfg['source']['kind']}-{cache_key(cfg)}"
     if (root / "meta.json").is_file():
         return _load_prepared(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(root.parent / f".{root.name}.lock", f"another process is preparing {root}; waiting"):
+        if (root / "meta.json").is_file():  # built while we waited
+            return _load_prepared(root)
+        return _build(cfg, root, progress)
+
+
+@contextmanager
+def exclusive_lock(path: Path, waiting_message: str):
+    """An flock on `path` (released by the kernel if the holder dies, so a crash never leaves it stuck)."""
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(waiting_message, file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     root.mkdir(parents=True, exist_ok=True)
     start = time.time()
     docs = sources.documents(cfg["source"])
@@ -143,7 +171,7 @@ def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
     bar = _progress_bar(progress)
     task = bar.add_task("tokenizing", total=max_tokens) if bar else None
     pending = 0
-    with bar or _nullcontext():
+    with bar or nullcontext():
         while True:
             batch = list(itertools.islice(all_docs, 256))
             if not batch:
@@ -187,14 +215,6 @@ def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
     }
     shards.atomic_write_bytes(root / "meta.json", [json.dumps(meta, indent=2).encode()])
     return _load_prepared(root)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _progress_bar(enabled: bool):

@@ -83,6 +83,24 @@ def test_prepare_round_trip_and_cache(tmp_path, corpus_file):
     assert other.root != first.root  # another input hash, another folder
 
 
+def test_concurrent_prepare_waits_for_the_one_that_builds(tmp_path, corpus_file):
+    import threading
+
+    from data.prepare import cache_key, exclusive_lock
+
+    cfg = data_cfg([corpus_file])
+    root = tmp_path / "cache" / f"files-{cache_key(cfg)}"
+    root.parent.mkdir(parents=True)
+    results = []
+    with exclusive_lock(root.parent / f".{root.name}.lock", "held by the test"):  # another rank is building
+        waiter = threading.Thread(target=lambda: results.append(prepare(cfg, tmp_path / "cache", progress=False)))
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and not root.exists()  # it waits instead of tokenizing too
+    waiter.join(timeout=120)
+    assert not waiter.is_alive() and results[0].root == root and (root / "meta.json").is_file()
+
+
 def test_windows_are_deterministic_by_seed_index_rank(tmp_path, corpus_file):
     prepared = prepare(data_cfg([corpus_file]), tmp_path, progress=False)
     ds = RandomWindows(prepared.train_shards, seq_len=32, batch_size=4, seed=0, rank=0, length=100)
