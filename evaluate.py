@@ -98,7 +98,8 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
     atomic_write_text(out_dir / "results.json", json.dumps(results, indent=1, default=handle_non_serializable))
     scores = primary_scores(results)
     lines = ["| model | attention | w_eff | " + " | ".join(scores) + " |", "|---|---|---|" + "---|" * len(scores),
-             f"| {name} | {kind} | {attention.get('window', '-')} | " + " | ".join(f"{v:.1f}" for v in scores.values()) + " |"]
+             f"| {name} | {kind} | {attention.get('window', '-')} | "
+             + " | ".join(f"{v:.1f}" for v in scores.values()) + " |"]
     for task, metrics in (results.get("results") or {}).items():
         for key in ("perplexity,none", "word_perplexity,none"):
             if isinstance(metrics.get(key), (int, float)):

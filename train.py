@@ -53,7 +53,22 @@ def check_config(cfg: DictConfig):
     return model_cfg, attn_cfg
 
 
-PRECISIONS = ("auto", "32-true", "32", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
+# Lightning 2.x's precision values and aliases, plus our "auto" (bf16-mixed on CUDA, 32-true on CPU).
+PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true", "transformer-engine",
+              "transformer-engine-float16", "64", "32", "16", "bf16")
+
+
+def _device_count(devices, use_cuda: bool) -> int:
+    """Devices per node as Lightning counts them: an int, -1 or auto (every visible GPU), a digit string, a list."""
+    import torch
+
+    if isinstance(devices, str) and devices.isdigit():
+        return int(devices)
+    if devices == -1 or (devices == "auto" and use_cuda):
+        return max(1, torch.cuda.device_count())
+    if devices == "auto":
+        return 1
+    return len(devices) if isinstance(devices, (list, tuple)) else int(devices)
 
 
 def _check_trainer_and_optim(cfg: DictConfig, ConfigError):
@@ -61,10 +76,17 @@ def _check_trainer_and_optim(cfg: DictConfig, ConfigError):
     t, o = cfg.trainer, cfg.optim
     if str(t.precision) not in PRECISIONS:
         raise ConfigError("trainer.precision", t.precision, f"choose one of {', '.join(PRECISIONS)}")
-    if t.accelerator not in ("auto", "cpu", "gpu", "cuda"):
-        raise ConfigError("trainer.accelerator", t.accelerator, "choose auto, cpu, gpu or cuda")
-    if not (t.devices in ("auto", -1) or (isinstance(t.devices, int) and t.devices >= 1)):
-        raise ConfigError("trainer.devices", t.devices, "give a device count (>= 1), -1 for all GPUs, or auto")
+    if t.accelerator not in ("auto", "cpu", "gpu", "cuda", "mps"):
+        raise ConfigError("trainer.accelerator", t.accelerator, "choose auto, cpu, gpu, cuda or mps")
+    devices = OmegaConf.to_object(t.devices) if OmegaConf.is_config(t.devices) else t.devices
+    ids = isinstance(devices, list) and devices and all(isinstance(d, int) and d >= 0 for d in devices)
+    count = (isinstance(devices, int) and devices >= 1) or (isinstance(devices, str) and devices.isdigit()
+                                                            and int(devices) >= 1)
+    if not (devices in ("auto", -1) or count or ids):
+        raise ConfigError("trainer.devices", devices, "give a device count (>= 1), a list of GPU ids, -1 for all "
+                          "GPUs, or auto")
+    if devices == -1 and t.accelerator == "cpu":
+        raise ConfigError("trainer.devices", devices, "-1 (every GPU) needs a GPU accelerator; give a count on CPU")
     if int(t.num_nodes) < 1:
         raise ConfigError("trainer.num_nodes", t.num_nodes, "must be a positive integer")
     if not float(o.lr) > 0:
@@ -185,7 +207,8 @@ def train(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.paths.run_dir)
     ckpt_dir = run_dir / "checkpoints"
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    use_cuda = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
+    accelerator = cfg.trainer.accelerator
+    use_cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
     module = LitDecoder(model=OmegaConf.to_container(cfg.model, resolve=True),
                         attention=OmegaConf.to_container(cfg.attention, resolve=True),
@@ -197,15 +220,15 @@ def train(cfg: DictConfig) -> dict:
                   f"attention={attn_cfg.kind} window={attn_cfg.window} backend={attn_cfg.backend}")
 
     devices = cfg.trainer.devices
-    all_gpus = devices == -1 or (devices == "auto" and use_cuda)  # Lightning's auto takes every visible GPU
-    world = int(cfg.trainer.num_nodes) * (max(1, torch.cuda.device_count()) if all_gpus
-                                          else 1 if devices == "auto" else int(devices))
+    devices = OmegaConf.to_object(devices) if OmegaConf.is_config(devices) else devices
+    world = int(cfg.trainer.num_nodes) * _device_count(devices, use_cuda)
     accumulate = _accumulation(cfg, world)  # refused here, before the data preparation, if it does not divide
 
     data = prepare(cfg.data, cfg.data.cache_dir)
     if data.vocab_size > model_cfg.vocab_size:
         raise ConfigError("model.vocab_size", model_cfg.vocab_size,
-                          f"smaller than the tokenizer's vocabulary ({data.vocab_size}); raise it to >= {data.vocab_size}")
+                          f"smaller than the tokenizer's vocabulary ({data.vocab_size}); "
+                          f"raise it to >= {data.vocab_size}")
     module.tokenizer_json = data.tokenizer_path.read_text()
     if cfg.data.get("loss_only_after") is not None:
         module.loss_only_after = str(cfg.data.loss_only_after)

@@ -7,10 +7,10 @@ reuses the folder.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import itertools
 import json
+import os
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -117,17 +117,29 @@ def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
 
 @contextmanager
 def exclusive_lock(path: Path, waiting_message: str):
-    """An flock on `path` (released by the kernel if the holder dies, so a crash never leaves it stuck)."""
-    with open(path, "a") as f:
+    """An flock on `path` (released by the kernel if the holder dies, so a crash never leaves it stuck). Where
+    there is no flock (Windows, a file system mounted without it) it warns and goes on unlocked: the writes are
+    atomic, so concurrent builders only repeat work."""
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+    except (ImportError, OSError) as err:
+        print(f"warning: no lock at {path} ({err}); concurrent runs may prepare the same data", file=sys.stderr)
+        yield
+        return
+    try:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             print(waiting_message, file=sys.stderr, flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:  # ENOLCK / EOPNOTSUPP: the file system has no flock
+            print(f"warning: cannot lock {path} ({err}); concurrent runs may prepare the same data",
+                  file=sys.stderr)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:

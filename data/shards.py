@@ -28,6 +28,12 @@ def dtype_for_vocab(vocab_size: int):
     return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` (UTF-8) to `path` atomically: a reader never sees half a results file."""
     atomic_write_bytes(path, [text.encode("utf-8")])
@@ -39,6 +45,7 @@ def atomic_write_bytes(path: Path, chunks) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide results and shards from the rest of a team
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)

@@ -58,7 +58,8 @@ def _builder(path: str) -> str:
     for ext, builder in _FILE_BUILDERS.items():
         if name.endswith(ext):
             return builder
-    raise ConfigError("data.source.paths", path, f"unsupported file type; use one of {sorted(_FILE_BUILDERS)} (optionally .gz)")
+    raise ConfigError("data.source.paths", path,
+                      f"unsupported file type; use one of {sorted(_FILE_BUILDERS)} (optionally .gz)")
 
 
 def resolve_files(paths) -> list[str]:
@@ -69,7 +70,8 @@ def resolve_files(paths) -> list[str]:
     for pattern in paths or []:
         pattern = os.path.expanduser(str(pattern))
         if os.path.isdir(pattern):
-            matches = sorted(p for p in glob.glob(os.path.join(pattern, "**", "*"), recursive=True) if os.path.isfile(p))
+            matches = sorted(p for p in glob.glob(os.path.join(pattern, "**", "*"), recursive=True)
+                             if os.path.isfile(p))
             matches = [p for p in matches if not Path(p).name.startswith(".") and Path(p).suffix not in {".md", ".tsv"}]
         else:
             matches = sorted(glob.glob(pattern, recursive=True))
@@ -108,9 +110,11 @@ def hub_documents(name: str, config: str | None, split: str, text_field: str, st
         ds = datasets.load_dataset(name, config, split=split, streaming=streaming)
     except Exception as err:  # offline, unknown name, no permission: say how to use local files instead
         raise DataSourceError(
-            f"could not open the HuggingFace dataset {name!r} ({type(err).__name__}: {str(err).splitlines()[0][:200]}).\n"
+            f"could not open the HuggingFace dataset {name!r} "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:200]}).\n"
             "This machine may have no hub access. Point the data at local files instead, e.g.\n"
-            "  python train.py ... data=files data.source.paths='[/path/to/corpus/*.jsonl.gz]' data.source.text_field=text\n"
+            "  python train.py ... data=files data.source.paths='[/path/to/corpus/*.jsonl.gz]' "
+            "data.source.text_field=text\n"
             "(txt, jsonl/json and parquet, gzip-compressed too), or pre-download the dataset and set HF_DATASETS_CACHE."
         ) from err
     for row in ds:

@@ -46,7 +46,8 @@ class TaskPlan:
 
 
 def _hub_offline() -> bool:
-    if any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+    offline_vars = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    if any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on") for k in offline_vars):
         return True
     return not _hub_reachable()
 
@@ -116,7 +117,8 @@ def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Pa
         for name in hub:
             here = local.missing.get(name) if local is not None else "eval.data_dir is not set"
             if offline:  # don't let datasets retry a hub it cannot reach (minutes of back-off per task)
-                plan.skipped[name] = f"{here}; HF hub offline or unreachable" if here else "HF hub offline or unreachable"
+                unreachable = "HF hub offline or unreachable"
+                plan.skipped[name] = f"{here}; {unreachable}" if here else unreachable
                 continue
             try:
                 plan.task_manager.load([name])

@@ -59,7 +59,8 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
         raise ConfigError("attention.kind", attn["kind"], f"checkpoint {ckpt_path} was trained as "
                           f"{hp['attention']['kind']!r} and has no gates; evaluate it as full, swa or sa")
     if missing or [k for k in unexpected if ".attn.gate." not in k]:
-        raise RuntimeError(f"checkpoint {ckpt_path} does not match the model: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(f"checkpoint {ckpt_path} does not match the model: missing {missing}, "
+                           f"unexpected {unexpected}")
     if "tokenizer" not in ckpt:
         raise RuntimeError(f"checkpoint {ckpt_path} carries no tokenizer (written by an older version?)")
     tokenizer = Tokenizer.from_str(ckpt["tokenizer"])

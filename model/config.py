@@ -31,7 +31,8 @@ class AttentionConfig:
         if self.backend not in BACKENDS:
             raise ConfigError("attention.backend", self.backend, f"choose one of {BACKENDS}")
         if not isinstance(self.window, int) or self.window < 1:
-            raise ConfigError("attention.window", self.window, "the band holds w >= 1 slots (w counts the query itself)")
+            raise ConfigError("attention.window", self.window,
+                              "the band holds w >= 1 slots (w counts the query itself)")
 
 
 @dataclass

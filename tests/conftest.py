@@ -50,7 +50,8 @@ def compose_train(overrides: list[str], run_dir: Path, corpus: Path | None = Non
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    base = [f"paths.run_dir={run_dir}", f"paths.log_dir={run_dir.parent}", f"paths.cache_dir={cache or run_dir / 'cache'}",
+    base = [f"paths.run_dir={run_dir}", f"paths.log_dir={run_dir.parent}",
+            f"paths.cache_dir={cache or run_dir / 'cache'}",
             "logger=csv", "trainer.progress_bar=false"]
     if corpus is not None:
         base += ["data=files", f"data.source.paths=[{corpus}]"]

@@ -32,6 +32,19 @@ def test_shard_round_trip_and_header(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporary files
 
 
+def test_atomic_writes_follow_the_umask(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        shards.atomic_write_text(tmp_path / "results.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "results.json").read_text() == "{}"
+    assert (tmp_path / "results.json").stat().st_mode & 0o777 == 0o644  # not mkstemp's 0600
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temporary left behind
+
+
 def test_truncated_or_foreign_shard_is_refused(tmp_path):
     shards.write_shard(tmp_path / "a.bin", np.arange(100, dtype=np.uint16))
     raw = (tmp_path / "a.bin").read_bytes()
