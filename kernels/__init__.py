@@ -5,7 +5,7 @@ the key in slot j iff  i - left <= j <= i + right  and  pos[j] <= pos[i]  (pos =
 Inputs and output are always in ORIGINAL order; backends move rows through pi themselves.
 
 Backends (``backend=``):
-  auto   - triton on CUDA, torch on CPU
+  auto   - triton on CUDA (torch for what the Triton kernel does not take: fp64, head dim > 256), torch on CPU
   torch  - O(n*w) blocked PyTorch (fused SDPA per query block); CPU default, any device
   triton - fused Triton forward/backward loading rows through pi (CUDA, or CPU under TRITON_INTERPRET=1)
   flex   - torch FlexAttention with a band block mask and a pi mask_mod (forward only on CPU)
@@ -36,11 +36,17 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_MAX_HEAD_DIM = 256
+
+
+def resolve_backend(backend: str, device: torch.device, q: torch.Tensor | None = None) -> str:
+    """The backend to run: `auto` picks one that can take `q`; an explicit one that cannot run here is an error."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+        fits = q is None or (q.dtype in TRITON_DTYPES and q.shape[-1] <= TRITON_MAX_HEAD_DIM)
+        return "triton" if device.type == "cuda" and fits and _triton_available() else "torch"
     if backend == "triton" and not (device.type == "cuda" or triton_interpreting()):
         raise RuntimeError(
             "attention.backend=triton needs a CUDA device (or TRITON_INTERPRET=1 on CPU for testing); "
@@ -72,10 +78,13 @@ def banded_attention(
     """Banded attention. q [B,Hq,n,D], k/v [B,Hkv,n,D] in original order; perm None (SWA) or [n] / [B,n] (SA)."""
     check_qkv(q, k, v)
     n = q.shape[2]
-    if perm is not None and (perm.shape[-1] != n or perm.dim() not in (1, 2)):
-        raise ValueError(f"perm must have shape [n] or [B, n] with n={n}, got {tuple(perm.shape)}")
+    if perm is not None and (perm.shape[-1] != n or perm.dim() not in (1, 2)
+                             or (perm.dim() == 2 and perm.shape[0] != q.shape[0])):
+        raise ValueError(f"perm must have shape [n] or [B, n] with B={q.shape[0]}, n={n}, got {tuple(perm.shape)}")
     left, right = band if band is not None else default_band(window, perm is not None)
-    name = resolve_backend(backend, q.device)
+    if left < 0 or right < 0:
+        raise ValueError(f"band must be non-negative (every query sees itself), got left={left}, right={right}")
+    name = resolve_backend(backend, q.device, q)
     if name == "torch":
         from kernels.torch_band import torch_banded_attention
 

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import TRITON_DTYPES, TRITON_MAX_HEAD_DIM
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
 
@@ -77,9 +79,8 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)  # heads and batch on axes 1 and 2: B * H alone could pass CUDA's 65535 limit
+    b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -124,7 +125,7 @@ def _fwd_kernel(
     lse = m_i + tl.math.log2(l_safe)
     tl.store(O + b * sob + h * soh + pos_m[:, None] * son + offs_d[None, :], acc.to(O.dtype.element_ty),
              mask=m_valid[:, None] & d_valid[None, :])
-    tl.store(LSE + pid_bh.to(tl.int64) * n + pos_m, lse, mask=m_valid)
+    tl.store(LSE + (b * Hq + h) * n + pos_m, lse, mask=m_valid)
 
 
 @triton.jit
@@ -137,9 +138,8 @@ def _dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)
-    hk = (pid_bh % Hkv).to(tl.int64)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -202,9 +202,8 @@ def _dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)  # heads and batch on axes 1 and 2: B * H alone could pass CUDA's 65535 limit
+    b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -216,11 +215,11 @@ def _dq_kernel(
     row_mask = m_valid[:, None] & d_valid[None, :]
     q = tl.load(Q + b * sqb + h * sqh + pos_m[:, None] * sqn + offs_d[None, :], mask=row_mask, other=0.0)
     do = tl.load(DO + b * sdb + h * sdh + pos_m[:, None] * sdn + offs_d[None, :], mask=row_mask, other=0.0)
-    lse = tl.load(LSE + pid_bh.to(tl.int64) * n + pos_m, mask=m_valid, other=0.0)
+    lse = tl.load(LSE + (b * Hq + h) * n + pos_m, mask=m_valid, other=0.0)
     # delta = rowsum(dO * O): computed here (each row's one visit) and stored for the dk/dv kernel, which runs next
     o = tl.load(O + b * sob + h * soh + pos_m[:, None] * son + offs_d[None, :], mask=row_mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + pid_bh.to(tl.int64) * n + pos_m, delta, mask=m_valid)
+    tl.store(DELTA + (b * Hq + h) * n + pos_m, delta, mask=m_valid)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
 
@@ -320,24 +319,24 @@ def _tune_keys(n: int, left: int, right: int) -> tuple[int, int]:
     return triton.next_power_of_2(max(n, 1)), triton.next_power_of_2(left + right + 1)
 
 
-# (kernel, n_key, band_key, kwargs, dtype) -> the config the autotuner chose. Later calls launch the jitted kernel
-# with it directly: Triton's Autotuner.run rebuilds its key from every argument on each call (tens of microseconds
-# of host time per launch, which is most of a launch at short sequence lengths).
+# (kernel, n_key, band_key, kwargs, dtype, device) -> the config the autotuner chose. Later calls launch the jitted
+# kernel with it directly: Triton's Autotuner.run rebuilds its key from every argument on each call (tens of
+# microseconds of host time per launch, which is most of a launch at short sequence lengths).
 _chosen: dict = {}
 
 
-def _launch(kernel, grid_bh, args, kwargs, block_axis: str, n: int, row_bytes: int):
+def _launch(kernel, heads_batch: tuple[int, int], args, kwargs, block_axis: str, n: int, row_bytes: int):
     if not _AUTOTUNE:
         cfg = _interp_blocks(n) if _INTERPRET else _fixed_gpu_config(row_bytes)
-        kernel[(triton.cdiv(n, cfg[block_axis]), grid_bh)](*args, **kwargs, **cfg)
+        kernel[(triton.cdiv(n, cfg[block_axis]), *heads_batch)](*args, **kwargs, **cfg)
         return
-    key = (kernel, args[-2], args[-1], tuple(kwargs.items()), args[0].dtype)
+    key = (kernel, args[-2], args[-1], tuple(kwargs.items()), args[0].dtype, args[0].device)
     cfg = _chosen.get(key)
     if cfg is None:
-        kernel[lambda meta: (triton.cdiv(n, meta[block_axis]), grid_bh)](*args, **kwargs)
+        kernel[lambda meta: (triton.cdiv(n, meta[block_axis]), *heads_batch)](*args, **kwargs)
         _chosen[key] = kernel.best_config.all_kwargs()
     else:
-        kernel.fn[(triton.cdiv(n, cfg[block_axis]), grid_bh)](*args, **kwargs, **cfg)
+        kernel.fn[(triton.cdiv(n, cfg[block_axis]), *heads_batch)](*args, **kwargs, **cfg)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -400,7 +399,7 @@ class _TritonBandedAttention(torch.autograd.Function):
         if n > 0 and B * Hq > 0:
             with _on_device(q):
                 _launch(
-                    _fwd, B * Hq,
+                    _fwd, (Hq, B),
                     (q, k, v, o, lse, perm_t if perm_t is not None else q,
                      *_strides(q), *_strides(k), *_strides(v), *_strides(o), spb,
                      n, left, right, Hq, scale * _LOG2E, *_tune_keys(n, left, right)),
@@ -431,14 +430,14 @@ class _TritonBandedAttention(torch.autograd.Function):
             flags = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HAS_PERM=perm_t is not None, UPCAST=upcast)
             keys = _tune_keys(n, left, right)
             _launch(  # first: it also writes delta, which the dk/dv kernel reads
-                _dq, B * Hq,
+                _dq, (Hq, B),
                 (q, k, v, o, do, lse, delta, dq, perm_arg,
                  *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq), spb,
                  n, left, right, Hq, scale * _LOG2E, scale, *keys),
                 flags, "BLOCK_M", n, block_d * q.element_size(),
             )
             _launch(
-                _dkdv, B * Hkv,
+                _dkdv, (Hkv, B),
                 (q, k, v, do, lse, delta, dk, dv, perm_arg,
                  *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv), spb,
                  n, left, right, Hq, Hkv, scale * _LOG2E, scale, *keys),
@@ -456,11 +455,11 @@ def triton_banded_attention(q, k, v, left: int, right: int, perm=None, scale=Non
         raise ValueError(f"expected q [B,Hq,n,D] and k, v [B,Hkv,n,D]; got {tuple(q.shape)}, {tuple(k.shape)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in TRITON_DTYPES:
         raise TypeError(f"q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
     if left < 0 or right < 0:
         raise ValueError(f"band must be non-negative (every query sees itself), got left={left}, right={right}")
-    if q.shape[-1] > 256:
-        raise ValueError(f"head dim {q.shape[-1]} > 256 is not supported by the Triton kernel")
+    if q.shape[-1] > TRITON_MAX_HEAD_DIM:
+        raise ValueError(f"head dim {q.shape[-1]} > {TRITON_MAX_HEAD_DIM} is not supported by the Triton kernel")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _TritonBandedAttention.apply(q, k, v, left, right, perm, scale)

@@ -1,5 +1,7 @@
 """Attention against the dense masked reference of docs/method.md, and the invariants the spec asks for."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -132,6 +134,22 @@ def test_bad_arguments_are_refused():
         banded_attention(q, k, v, 4, backend="cuda-magic")
     with pytest.raises(ValueError, match="perm"):
         banded_attention(q, k, v, 4, perm=torch.arange(7))
+    with pytest.raises(ValueError, match="perm"):  # [B', n] with B' != B: every backend refuses, at any n
+        banded_attention(q, k, v, 4, perm=torch.stack([torch.randperm(8), torch.randperm(8)]))
+    with pytest.raises(ValueError, match="band"):
+        banded_attention(q, k, v, 4, band=(-1, 2))
+
+
+def test_auto_backend_picks_one_that_takes_the_input():
+    from kernels import resolve_backend
+
+    cuda = torch.device("cuda")
+    q = torch.empty(1, 2, 8, 64, device="meta")
+    if importlib.util.find_spec("triton") is not None:
+        assert resolve_backend("auto", cuda, q) == "triton"
+    assert resolve_backend("auto", cuda, q.double()) == "torch"  # fp64: the Triton kernel takes fp16/bf16/fp32
+    assert resolve_backend("auto", cuda, torch.empty(1, 2, 8, 512, device="meta")) == "torch"  # head dim > 256
+    assert resolve_backend("auto", torch.device("cpu"), q) == "torch"
 
 
 def _layer(kind, window=8, backend="torch", n_kv_heads=2, seed=0):
