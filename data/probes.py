@@ -50,6 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data.shards import atomic_write_text
+
 TASKS = ("kv", "passkey", "recall", "needle")
 FILLERS = ("repeat", "sentences", "pydoc", "random")
 
@@ -380,7 +382,7 @@ def write_jsonl(spec: ProbeSpec, num_docs: int, path: str | Path) -> Path:
     with open(tmp, "w") as f:
         for probe in generate(spec, num_docs):
             f.write(json.dumps(probe.as_json()) + "\n")
-    sidecar.write_text(json.dumps(wanted, indent=1))
+    atomic_write_text(sidecar, json.dumps(wanted, indent=1))
     os.replace(tmp, path)
     return path
 
