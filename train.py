@@ -276,6 +276,8 @@ def train(cfg: DictConfig) -> dict:
         trainer.validate(module, datamodule=datamodule, verbose=False) if ckpt is None else None
         start_loss = trainer.callback_metrics.get("val/loss")
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+        if trainer.global_step % int(cfg.trainer.val_every_n_steps):  # the final weights get a validation too
+            trainer.validate(module, datamodule=datamodule, verbose=False)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         if start_loss is not None:
             metrics["val/loss_at_start"] = float(start_loss)

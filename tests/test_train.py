@@ -67,6 +67,16 @@ def test_resumed_run_reproduces_uninterrupted_losses(tmp_path, corpus_file, data
             assert abs(resumed[step] - full["train/loss"][step]) <= 1e-6, (stop, step)
 
 
+def test_final_weights_are_validated_when_the_last_step_is_not_a_validation_step(tmp_path, corpus_file, data_cache):
+    cfg = compose_train(TINY + ["attention=sa", "attention.window=8", "trainer.max_steps=3",
+                                "trainer.val_every_n_steps=2"], tmp_path, corpus_file, data_cache)
+    metrics = read_metrics_after(cfg)
+    # Before training; the scheduled one after step 2 (Lightning logs it at index 1 of the step that ran it); and
+    # the final weights, validated after fit (logged at global step 3). Without the last one the run's final val
+    # loss would describe the weights of step 2.
+    assert sorted(metrics["val/loss"]) == [0, 1, 3]
+
+
 def read_metrics_after(cfg):
     train(cfg)
     return read_metrics(Path(cfg.paths.run_dir))
