@@ -80,7 +80,6 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
     from lm_eval.utils import handle_non_serializable
 
     from data.shards import atomic_write_text
-
     from hf.lm_eval_runner import evaluate_hf, primary_scores
 
     kind = attention.get("kind", "full")

@@ -39,7 +39,7 @@ def check_config(cfg: DictConfig):
     if cfg.data.get("val_batch_size") is not None and int(cfg.data.val_batch_size) < 1:
         raise ConfigError("data.val_batch_size", cfg.data.val_batch_size, "must be a positive integer (or null: "
                           "data.batch_size)")
-    _check_trainer_and_optim(cfg, ConfigError)
+    _check_trainer_and_optim(cfg)
     if cfg.trainer.strategy not in ("auto", "ddp", "fsdp", "ddp_spawn"):
         raise ConfigError("trainer.strategy", cfg.trainer.strategy, "choose auto, ddp, fsdp or ddp_spawn")
     from tools.guards import refuse_multirun_ddp
@@ -58,12 +58,16 @@ PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true
               "transformer-engine-float16", "64", "32", "16", "bf16")
 
 
+def _devices(cfg: DictConfig):
+    """trainer.devices as a plain value (a ListConfig of GPU ids becomes a list)."""
+    devices = cfg.trainer.devices
+    return OmegaConf.to_object(devices) if OmegaConf.is_config(devices) else devices
+
+
 def _device_count(devices, use_cuda: bool) -> int:
-    """Devices per node as Lightning counts them: an int, -1 or auto (every visible GPU), a digit string, a list."""
+    """Devices per node as Lightning counts them: an int or digit string, -1 or auto (every visible GPU), a list."""
     import torch
 
-    if isinstance(devices, str) and devices.isdigit():
-        return int(devices)
     if devices == -1 or (devices == "auto" and use_cuda):
         return max(1, torch.cuda.device_count())
     if devices == "auto":
@@ -71,14 +75,16 @@ def _device_count(devices, use_cuda: bool) -> int:
     return len(devices) if isinstance(devices, (list, tuple)) else int(devices)
 
 
-def _check_trainer_and_optim(cfg: DictConfig, ConfigError):
+def _check_trainer_and_optim(cfg: DictConfig):
     """What L.Trainer and AdamW would only refuse after data preparation (hours for a large corpus)."""
+    from model.config import ConfigError
+
     t, o = cfg.trainer, cfg.optim
     if str(t.precision) not in PRECISIONS:
         raise ConfigError("trainer.precision", t.precision, f"choose one of {', '.join(PRECISIONS)}")
     if t.accelerator not in ("auto", "cpu", "gpu", "cuda", "mps"):
         raise ConfigError("trainer.accelerator", t.accelerator, "choose auto, cpu, gpu, cuda or mps")
-    devices = OmegaConf.to_object(t.devices) if OmegaConf.is_config(t.devices) else t.devices
+    devices = _devices(cfg)
     ids = isinstance(devices, list) and devices and all(isinstance(d, int) and d >= 0 for d in devices)
     count = (isinstance(devices, int) and devices >= 1) or (isinstance(devices, str) and devices.isdigit()
                                                             and int(devices) >= 1)
@@ -219,8 +225,7 @@ def train(cfg: DictConfig) -> dict:
                   f"({module.model.num_parameters(non_embedding=True) / 1e6:.2f}M non-embedding), "
                   f"attention={attn_cfg.kind} window={attn_cfg.window} backend={attn_cfg.backend}")
 
-    devices = cfg.trainer.devices
-    devices = OmegaConf.to_object(devices) if OmegaConf.is_config(devices) else devices
+    devices = _devices(cfg)
     world = int(cfg.trainer.num_nodes) * _device_count(devices, use_cuda)
     accumulate = _accumulation(cfg, world)  # refused here, before the data preparation, if it does not divide
 

@@ -43,14 +43,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 
-from data.shards import atomic_write_text
+from data.shards import atomic_write_bytes, atomic_write_text
 
 TASKS = ("kv", "passkey", "recall", "needle")
 FILLERS = ("repeat", "sentences", "pydoc", "random")
@@ -377,13 +376,8 @@ def write_jsonl(spec: ProbeSpec, num_docs: int, path: str | Path) -> Path:
             return path
         raise FileExistsError(f"{path} exists with other (or unknown) probe parameters; delete it or choose another "
                               f"path (wanted {wanted})")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        for probe in generate(spec, num_docs):
-            f.write(json.dumps(probe.as_json()) + "\n")
     atomic_write_text(sidecar, json.dumps(wanted, indent=1))
-    os.replace(tmp, path)
+    atomic_write_bytes(path, ((json.dumps(probe.as_json()) + "\n").encode() for probe in generate(spec, num_docs)))
     return path
 
 

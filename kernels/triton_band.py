@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels import TRITON_DTYPES, TRITON_MAX_HEAD_DIM
+from kernels.order import check_qkv
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
@@ -451,10 +452,7 @@ def triton_banded_attention(q, k, v, left: int, right: int, perm=None, scale=Non
 
     Returns the output [B,Hq,n,D] in original order and input dtype; differentiable w.r.t. q, k and v.
     """
-    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"expected q [B,Hq,n,D] and k, v [B,Hkv,n,D]; got {tuple(q.shape)}, {tuple(k.shape)}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    check_qkv(q, k, v)
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in TRITON_DTYPES:
         raise TypeError(f"q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
     if left < 0 or right < 0:
