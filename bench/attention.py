@@ -2,6 +2,7 @@
 
     python -m bench.attention                      # CPU defaults (fp32, n up to 16384, ~5 min on 2 cores)
     python -m bench.attention                      # on a CUDA GPU: bf16, n up to 32768, backends triton and flex
+    python -m bench.attention --graphs             # GPU time alone: calls replayed from a CUDA graph
 
 Prints a markdown table with the ratios SA/full and SA/SWA, writes CSV and a PNG plot to bench/results/.
 A backend whose output or gradients disagree with the dense reference on a small problem is not timed.
@@ -13,6 +14,7 @@ import argparse
 import csv
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -26,11 +28,14 @@ from kernels.naive import naive_banded_attention
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def time_call(fn, device, reps: int, grads=()) -> float:
-    """Median milliseconds. CUDA: triton's do_bench (CUDA events, L2 flushed between runs); CPU: wall clock."""
+def time_call(fn, device, reps: int, grads=(), graphs: bool = False) -> float:
+    """Median milliseconds. CUDA: triton's do_bench (CUDA events, L2 flushed between runs), or with `graphs` its
+    do_bench_cudagraph (calls replayed from a CUDA graph: GPU time without the host's launch cost); CPU: wall clock."""
     if device.type == "cuda":
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
 
+        if graphs:
+            return do_bench_cudagraph(fn, rep=max(100, 10 * reps), return_mode="median")
         return do_bench(fn, warmup=25, rep=max(100, 10 * reps), grad_to_none=list(grads), return_mode="median")
     fn()  # warm-up (compilation, autotuning, allocator)
     times = []
@@ -123,6 +128,8 @@ def run(args, csv_path: Path | None = None) -> list[dict]:
                 inputs[n].append(torch.randn(shape, device=device, dtype=dtype))
             q, k, v, grad_out = inputs[n]
             for name, fn in variants(backend, args.window, n, device).items():
+                if args.variants and name not in args.variants:
+                    continue
                 if name == "full" and (any(r["n"] == n and r["variant"] == "full" for r in rows)
                                        or (args.full_max_n and n > args.full_max_n)):
                     continue
@@ -133,14 +140,18 @@ def run(args, csv_path: Path | None = None) -> list[dict]:
                         fn(q, k, v)
 
                 def fwd_bwd():
-                    fn(q, k, v).backward(grad_out)
+                    if args.graphs:  # no .grad accumulation inside the captured graph
+                        torch.autograd.grad(fn(q, k, v), (q, k, v), grad_out)
+                    else:
+                        fn(q, k, v).backward(grad_out)
 
                 row = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                        "dtype": args.dtype, "n": n, "w": args.window, "variant": name,
                        "backend": "sdpa" if name == "full" else backend}
                 try:
-                    row["fwd_ms"] = time_call(fwd, device, args.reps)
-                    row["fwd_bwd_ms"] = time_call(fwd_bwd, device, args.reps, (q, k, v)) if with_grad else None
+                    row["fwd_ms"] = time_call(fwd, device, args.reps, graphs=args.graphs)
+                    row["fwd_bwd_ms"] = (time_call(fwd_bwd, device, args.reps, (q, k, v), args.graphs)
+                                         if with_grad else None)
                     row["peak_mb"] = peak_memory_mb(fwd_bwd if with_grad else fwd, device)
                 except Exception as err:  # noqa: BLE001 - one failing size must not lose the rest of the table
                     print(f"n={n} {name} {backend}: FAILED {type(err).__name__}: {str(err)[:300]}", flush=True)
@@ -178,8 +189,9 @@ def ratios_table(rows) -> str:
                 f = full[metric] if full else None
                 lines.append(
                     f"| {n} | {backend} | {'fwd' if metric == 'fwd_ms' else 'fwd+bwd'} | {_fmt(f)} | "
-                    f"{_fmt(swa[metric])} | {_fmt(sa[metric])} | {_fmt(gated[metric] if gated else None)} | "
-                    f"{_fmt(f / sa[metric] if f else None, '.2f')}x | {_fmt(sa[metric] / swa[metric], '.3f')} |")
+                    f"{_fmt(swa[metric] if swa else None)} | {_fmt(sa[metric])} | "
+                    f"{_fmt(gated[metric] if gated else None)} | {_fmt(f / sa[metric] if f else None, '.2f')}x | "
+                    f"{_fmt(sa[metric] / swa[metric] if swa else None, '.3f')} |")
     return "\n".join(lines)
 
 
@@ -223,22 +235,38 @@ def main():
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     p.add_argument("--backends", nargs="+", default=None)
+    p.add_argument("--variants", nargs="+", choices=["full", "swa", "sa", "gated_sa_swa"], default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--full-max-n", type=int, default=None, help="skip full attention above this n (slow on CPU)")
+    p.add_argument("--graphs", action="store_true",
+                   help="CUDA only: time calls replayed from a CUDA graph (GPU time, no Python/launch overhead)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
     keep_freed_memory()  # as train.py does; SA_CPU_MALLOC=0 measures glibc's default behaviour
     cuda = torch.cuda.is_available() and args.device != "cpu"
     args.n = args.n or ([2048, 4096, 8192, 16384, 32768] if cuda else [2048, 4096, 8192, 16384])
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
-    tag = f"{'gpu' if cuda else 'cpu'}_{args.dtype}"
+    if args.graphs and not cuda:
+        p.error("--graphs needs a CUDA device")
+    tag = f"{'gpu' if cuda else 'cpu'}_{args.dtype}{'_graphs' if args.graphs else ''}"
     rows = run(args, args.out / f"attention_{tag}.csv")
     save(rows, args.out, tag)
     table = ratios_table(rows)
     print(f"\n{table}\n\nthreads={torch.get_num_threads()} torch={torch.__version__} "
           f"csv/png: {args.out}/attention_{tag}.*")
     (args.out / f"attention_{tag}.md").write_text(table + "\n")
+    print_chosen_configs()
+
+
+def print_chosen_configs():
+    """The block sizes the Triton autotuner picked per kernel and tuning key (to explain the timings)."""
+    module = sys.modules.get("kernels.triton_band")
+    for (kernel, n_key, band_key, flags, dtype, _), cfg in sorted(getattr(module, "_chosen", {}).items(), key=str):
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
+        perm = dict(flags).get("HAS_PERM")
+        print(f"config {name} n_key={n_key} band_key={band_key} perm={perm} {dtype}: "
+              + " ".join(f"{k}={v}" for k, v in cfg.items() if k.isupper() or k.startswith("num_")))
 
 
 if __name__ == "__main__":

@@ -2,32 +2,55 @@
 # Everything GPU-side in one call (a GPU lease is short): kernel tests on the GPU, the attention benchmark (the
 # issue's B=1 H=16 shape, then the paper-like batch of 8), and whole-model training throughput. From the repo root:
 #     OUT=bench/results/gpu_session bash bench/gpu_session.sh
-# Each stage has its own time limit, so a slow stage cannot starve the later ones. Logs and CSVs are copied to $OUT
-# (7 files); PNG plots and markdown tables stay in bench/results/ (python -m bench.plot_csv redraws them from a CSV).
+# Each stage has its own time limit, so a slow stage cannot starve the later ones. Logs and CSVs go to $OUT and,
+# after every stage, into one archive $OUT.tgz (a lease returns few files; a run stopped mid-way keeps what it had).
+# PNG plots and markdown tables stay in bench/results/ (python -m bench.plot_csv redraws them from a CSV).
 set -u
 OUT=${OUT:-bench/results/gpu_session}
 PY=${PYTHON:-python3}
 RES=bench/results
 mkdir -p "$OUT" "$RES/b8"
+PACK=${PACK:-$OUT.tgz}
+pack() { tar czf "$PACK" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:tests HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 $PY -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
 
 echo "== 1. Triton kernel tests on the GPU (bf16 / long-sequence tests included; one pinned config)"
-SA_TRITON_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-80}" $PY -m pytest -q -m "not slow" -n "${TEST_WORKERS:-12}" \
+SA_TRITON_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-60}" $PY -m pytest -q -m "not slow" -n "${TEST_WORKERS:-12}" \
     -o addopts="" tests/test_kernels_triton.py > "$OUT/tests.log" 2>&1
 echo "pytest exit code $?"; grep -E "passed|failed|Error|FAILED" "$OUT/tests.log" | tail -15
 
-echo "== 2. attention benchmark (bf16, B=1 H=16 D=64 w=256, n=2048..32768; triton, flex, SDPA)"
-timeout "${BENCH_TIMEOUT:-190}" $PY -m bench.attention --out "$RES" 2>&1 | tee "$OUT/bench.log" | grep -v "^n="
+# A kernel change measured side by side: BASELINE names a copy of an earlier kernels/ + bench/ (e.g. from
+# `git worktree add`), run at one pinned config so that both sides compile a few kernels and no autotuning differs.
+if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kernels" ]; then
+    echo "== 2. A/B at the pinned config (64x64 tiles): $BASELINE, then this tree; n=8192 and 32768"
+    for side in "$BASELINE" .; do
+        (cd "$side" && SA_TRITON_AUTOTUNE=0 timeout "${AB_TIMEOUT:-60}" $PY -m bench.attention --n 8192 32768 \
+            --backends triton --variants full swa sa --out /tmp/ab_$(basename "$side") 2>&1 | grep -A8 "^| n ")
+    done 2>&1 | tee "$OUT/ab.log"
+fi
+
+pack
+echo "== 3. attention benchmark (bf16, B=1 H=16 D=64 w=256, n=2048..32768; triton, flex, SDPA)"
+timeout "${BENCH_TIMEOUT:-200}" $PY -m bench.attention --out "$RES" 2>&1 | tee "$OUT/bench.log" | grep -v "^n="
 cp "$RES/attention_gpu_bf16.csv" "$OUT/" 2>/dev/null
 
-echo "== 3. attention benchmark, paper-like batch: B=8 H=16 D=64 w=256 (triton vs SDPA)"
-timeout "${BENCH_B8_TIMEOUT:-120}" $PY -m bench.attention --batch 8 --n 2048 8192 32768 --backends triton \
+pack
+echo "== 4. GPU time alone (calls replayed from a CUDA graph, no host launch cost): triton vs SDPA"
+timeout "${GRAPHS_TIMEOUT:-60}" $PY -m bench.attention --graphs --n 2048 8192 32768 --backends triton \
+    --out "$RES/graphs" 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^n="
+cp "$RES/graphs/attention_gpu_bf16_graphs.csv" "$OUT/" 2>/dev/null
+
+pack
+echo "== 5. attention benchmark, paper-like batch: B=8 H=16 D=64 w=256 (triton vs SDPA)"
+timeout "${BENCH_B8_TIMEOUT:-60}" $PY -m bench.attention --batch 8 --n 2048 8192 --backends triton \
     --out "$RES/b8" 2>&1 | tee "$OUT/bench_b8.log" | grep -v "^n="
 cp "$RES/b8/attention_gpu_bf16.csv" "$OUT/attention_gpu_bf16_b8.csv" 2>/dev/null
 
-echo "== 4. whole model: 360M decoder, B=8, n=2048, bf16 autocast, fwd+bwd per variant"
+pack
+echo "== 6. whole model: 360M decoder, B=8, n=2048, bf16 autocast, fwd+bwd per variant"
 timeout "${MODEL_TIMEOUT:-45}" $PY -m bench.model --model 360m --batch 8 --out "$OUT" 2>&1 | tee "$OUT/model.log" \
     | grep -v "^{"
+pack

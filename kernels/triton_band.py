@@ -5,14 +5,17 @@ with pos[s] = perm[s] (or s when perm is None). q/k/v, the output and dq/dk/dv a
 memory: every kernel computes on storage slots but loads and stores row perm[slot], so no permuted copy is made.
 
 Kernels (all fp32 accumulation, flash-attention online softmax, base-2 exponentials):
-  _fwd_kernel     grid (cdiv(n, BLOCK_M), B*Hq): one query tile of storage slots; loops over the key tiles that
+  _fwd_kernel     grid (cdiv(n, BLOCK_M), Hq, B): one query tile of storage slots; loops over the key tiles that
                   intersect the tile's band [start_m - left, end_m + right] only (O(n*w) work); writes O and the
                   log-sum-exp (base 2, indexed by original position) for the backward.
-  _dkdv_kernel    grid (cdiv(n, BLOCK_N), B*Hkv): one key tile; loops over the Hq/Hkv query heads of its group and
+  _dkdv_kernel    grid (cdiv(n, BLOCK_N), Hkv, B): one key tile; loops over the Hq/Hkv query heads of its group and
                   the query tiles whose band reaches it ([start_n - right, end_n + left]); dk/dv summed over the
                   group in registers (GQA without expanding K/V and without atomics: deterministic).
-  _dq_kernel      grid (cdiv(n, BLOCK_M), B*Hq): one query tile, same key-tile range as the forward; runs first
+  _dq_kernel      grid (cdiv(n, BLOCK_M), Hq, B): one query tile, same key-tile range as the forward; runs first
                   and also writes delta = rowsum(dO * O) per query row for the dk/dv kernel (no separate launch).
+Each tile loop is split in three (_tile_ranges): the tiles crossing a band edge take the full mask; those inside
+every row's band (3 of 5 at w=256 with 64-slot tiles) compare only pi's original positions (int32), and without
+pi they take no mask at all, as in flash attention's unmasked off-diagonal blocks.
 
 Block sizes are autotuned on CUDA (key: n and left+right+1 rounded up to powers of two, head dim; env
 SA_TRITON_AUTOTUNE=0 pins one config); under TRITON_INTERPRET=1 (CPU tests) one large-block config is used, since
@@ -52,23 +55,68 @@ def _mm(a, b, UPCAST: tl.constexpr):
 
 @triton.jit
 def _load_pos(PERM, perm_off, offs, valid, HAS_PERM: tl.constexpr):
-    """Original position (row index in memory) of each storage slot in `offs` (int64)."""
+    """Original position of each storage slot in `offs` (int32, so the [M, N] causal compares are 32-bit)."""
     if HAS_PERM:
-        pos = tl.load(PERM + perm_off + offs, mask=valid, other=0).to(tl.int64)
+        pos = tl.load(PERM + perm_off + offs, mask=valid, other=0).to(tl.int32)
     else:
-        pos = offs.to(tl.int64)
+        pos = offs
     return pos
 
 
 @triton.jit
-def _band_mask(offs_m, offs_n, pos_m, pos_n, n, left, right):
-    """[BLOCK_M, BLOCK_N] mask: key slot in the query's band, causal in original order, key slot < n."""
-    return (
-        (offs_n[None, :] >= offs_m[:, None] - left)
-        & (offs_n[None, :] <= offs_m[:, None] + right)
-        & (pos_n[None, :] <= pos_m[:, None])
-        & (offs_n[None, :] < n)
-    )
+def _rows_at(base, pos, stride, offs_d):
+    """[len(pos), BLOCK_D] pointers to rows `pos` (64-bit row offsets: pos * stride can pass 2**31)."""
+    return base + pos.to(tl.int64)[:, None] * stride + offs_d[None, :]
+
+
+@triton.jit
+def _tile_ranges(start, SIZE: tl.constexpr, STEP: tl.constexpr, before, after, n):
+    """Tiles of STEP slots that meet the bands [i - before, i + after] of the rows i in [start, start + SIZE).
+
+    Returns (lo, edge_end, mid_lo, mid_hi, hi): the tiles of [lo, edge_end) and [mid_hi, hi) cross a band's edge
+    (or the end of the sequence) and need the band mask; the tiles of [mid_lo, mid_hi) lie inside every row's
+    band, where only pi's causal order is left to check. Visiting only these tiles is the O(n*w) bound.
+    """
+    lo = (tl.maximum(start - before, 0) // STEP) * STEP
+    hi = tl.minimum(start + SIZE + after, n)
+    mid_lo = tl.maximum(start + SIZE - 1 - before, lo)
+    mid_lo = ((mid_lo + STEP - 1) // STEP) * STEP
+    mid_hi = tl.maximum((tl.minimum(start + after + 1, n) // STEP) * STEP, mid_lo)
+    return lo, tl.minimum(mid_lo, hi), mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] mask: causal in original order, and (edge tiles only) key slot in the band and < n."""
+    vis = pos_n[None, :] <= pos_m[:, None]
+    if EDGE:
+        vis = (vis & (offs_n[None, :] >= offs_m[:, None] - left) & (offs_n[None, :] <= offs_m[:, None] + right)
+               & (offs_n[None, :] < n))
+    return vis
+
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
+               skn, svn, n, left, right, qk_scale, lo, hi,
+               EDGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < n
+        pos_n = _load_pos(PERM, perm_off, offs_n, n_valid, HAS_PERM)
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(_rows_at(k_base, pos_n, skn, offs_d), mask=kv_mask, other=0.0)
+        qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
+        if EDGE or HAS_PERM:  # an interior tile without pi is causal by construction (right = 0): no mask
+            qk = tl.where(_visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: avoid inf - inf
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(_rows_at(v_base, pos_n, svn, offs_d), mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -90,43 +138,54 @@ def _fwd_kernel(
     m_valid = offs_m < n
     perm_off = b * spb
     pos_m = _load_pos(PERM, perm_off, offs_m, m_valid, HAS_PERM)
-
-    q = tl.load(Q + b * sqb + h * sqh + pos_m[:, None] * sqn + offs_d[None, :],
-                mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    row_mask = m_valid[:, None] & d_valid[None, :]
+    q = tl.load(_rows_at(Q + b * sqb + h * sqh, pos_m, sqn, offs_d), mask=row_mask, other=0.0)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    lo = tl.maximum(start_m - left, 0)
-    lo = (lo // BLOCK_N) * BLOCK_N
-    hi = tl.minimum(start_m + BLOCK_M + right, n)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < n
-        pos_n = _load_pos(PERM, perm_off, offs_n, n_valid, HAS_PERM)
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_base + pos_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = _mm(q, tl.trans(k), UPCAST)
-        mask = _band_mask(offs_m, offs_n, pos_m, pos_n, n, left, right)
-        qk = tl.where(mask, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: avoid inf - inf
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + pos_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
+    lo, edge_end, mid_lo, mid_hi, hi = _tile_ranges(start_m, BLOCK_M, BLOCK_N, left, right, n)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
+                               skn, svn, n, left, right, qk_scale, lo, edge_end, True, BLOCK_N, HAS_PERM, UPCAST)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
+                               skn, svn, n, left, right, qk_scale, mid_lo, mid_hi, False, BLOCK_N, HAS_PERM, UPCAST)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
+                               skn, svn, n, left, right, qk_scale, mid_hi, hi, True, BLOCK_N, HAS_PERM, UPCAST)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only padding rows (slot >= n); real rows always see themselves
     acc = acc / l_safe[:, None]
     lse = m_i + tl.math.log2(l_safe)
-    tl.store(O + b * sob + h * soh + pos_m[:, None] * son + offs_d[None, :], acc.to(O.dtype.element_ty),
-             mask=m_valid[:, None] & d_valid[None, :])
+    tl.store(_rows_at(O + b * sob + h * soh, pos_m, son, offs_d), acc.to(O.dtype.element_ty), mask=row_mask)
     tl.store(LSE + (b * Hq + h) * n + pos_m, lse, mask=m_valid)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n, n_valid, offs_d, d_valid,
+                sqn, sdn, n, left, right, qk_scale, lo, hi,
+                EDGE: tl.constexpr, BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_valid = offs_m < n
+        pos_m = _load_pos(PERM, perm_off, offs_m, m_valid, HAS_PERM)
+        row_mask = m_valid[:, None] & d_valid[None, :]
+        q = tl.load(_rows_at(q_base, pos_m, sqn, offs_d), mask=row_mask, other=0.0)
+        do = tl.load(_rows_at(do_base, pos_m, sdn, offs_d), mask=row_mask, other=0.0)
+        lse = tl.load(lse_base + pos_m, mask=m_valid, other=0.0)
+        delta = tl.load(delta_base + pos_m, mask=m_valid, other=0.0)
+        pT = tl.math.exp2(_mm(k, tl.trans(q), UPCAST) * qk_scale - lse[None, :])  # [BLOCK_N, BLOCK_M]
+        if EDGE or HAS_PERM:
+            # the transposed _visible: rows are keys, columns queries
+            visT = pos_n[:, None] <= pos_m[None, :]
+            if EDGE:
+                visT = (visT & (offs_n[:, None] >= offs_m[None, :] - left)
+                        & (offs_n[:, None] <= offs_m[None, :] + right) & m_valid[None, :] & n_valid[:, None])
+            pT = tl.where(visT, pT, 0.0)
+        dv += _mm(pT.to(do.dtype), do, UPCAST)
+        dsT = pT * (_mm(v, tl.trans(do), UPCAST) - delta[None, :])
+        dk += _mm(dsT.to(q.dtype), q, UPCAST)
+    return dk, dv
 
 
 @triton.jit
@@ -149,49 +208,51 @@ def _dkdv_kernel(
     perm_off = b * spb
     pos_n = _load_pos(PERM, perm_off, offs_n, n_valid, HAS_PERM)
     kv_mask = n_valid[:, None] & d_valid[None, :]
-    k = tl.load(K + b * skb + hk * skh + pos_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + b * svb + hk * svh + pos_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(_rows_at(K + b * skb + hk * skh, pos_n, skn, offs_d), mask=kv_mask, other=0.0)
+    v = tl.load(_rows_at(V + b * svb + hk * svh, pos_n, svn, offs_d), mask=kv_mask, other=0.0)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-
-    # queries i that can see key slot j satisfy j - right <= i <= j + left
-    lo = tl.maximum(start_n - right, 0)
-    lo = (lo // BLOCK_M) * BLOCK_M
-    hi = tl.minimum(start_n + BLOCK_N + left, n)
-    for g in range(GROUP):
+    # the queries i that can see key slot j satisfy j - right <= i <= j + left: the band seen from the key side
+    lo, edge_end, mid_lo, mid_hi, hi = _tile_ranges(start_n, BLOCK_N, BLOCK_M, right, left, n)
+    for g in range(GROUP):  # the query heads sharing this key/value head: GQA without expanding K/V, no atomics
         h = hk * GROUP + g
-        bh = b * Hq + h
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdb + h * sdh
-        for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            m_valid = offs_m < n
-            pos_m = _load_pos(PERM, perm_off, offs_m, m_valid, HAS_PERM)
-            row_mask = m_valid[:, None] & d_valid[None, :]
-            q = tl.load(q_base + pos_m[:, None] * sqn + offs_d[None, :], mask=row_mask, other=0.0)
-            do = tl.load(do_base + pos_m[:, None] * sdn + offs_d[None, :], mask=row_mask, other=0.0)
-            lse = tl.load(LSE + bh * n + pos_m, mask=m_valid, other=0.0)
-            delta = tl.load(DELTA + bh * n + pos_m, mask=m_valid, other=0.0)
-            qkT = _mm(k, tl.trans(q), UPCAST)  # [BLOCK_N, BLOCK_M]
-            maskT = (
-                (offs_n[:, None] >= offs_m[None, :] - left)
-                & (offs_n[:, None] <= offs_m[None, :] + right)
-                & (pos_n[:, None] <= pos_m[None, :])
-                & m_valid[None, :]
-                & n_valid[:, None]
-            )
-            pT = tl.where(maskT, tl.math.exp2(qkT * qk_scale - lse[None, :]), 0.0)
-            dv += _mm(pT.to(do.dtype), do, UPCAST)
-            dpT = _mm(v, tl.trans(do), UPCAST)
-            dsT = pT * (dpT - delta[None, :])
-            dk += _mm(dsT.to(q.dtype), q, UPCAST)
+        lse_base = LSE + (b * Hq + h) * n
+        delta_base = DELTA + (b * Hq + h) * n
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n,
+                             n_valid, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, lo, edge_end,
+                             True, BLOCK_M, HAS_PERM, UPCAST)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n,
+                             n_valid, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, mid_lo, mid_hi,
+                             False, BLOCK_M, HAS_PERM, UPCAST)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n,
+                             n_valid, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, mid_hi, hi,
+                             True, BLOCK_M, HAS_PERM, UPCAST)
 
     dk = dk * sm_scale
-    tl.store(DK + b * sdkb + hk * sdkh + pos_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=kv_mask)
-    tl.store(DV + b * sdvb + hk * sdvh + pos_n[:, None] * sdvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
-             mask=kv_mask)
+    tl.store(_rows_at(DK + b * sdkb + hk * sdkh, pos_n, sdkn, offs_d), dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(_rows_at(DV + b * sdvb + hk * sdvh, pos_n, sdvn, offs_d), dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
+              skn, svn, n, left, right, qk_scale, lo, hi,
+              EDGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < n
+        pos_n = _load_pos(PERM, perm_off, offs_n, n_valid, HAS_PERM)
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(_rows_at(k_base, pos_n, skn, offs_d), mask=kv_mask, other=0.0)
+        v = tl.load(_rows_at(v_base, pos_n, svn, offs_d), mask=kv_mask, other=0.0)
+        p = tl.math.exp2(_mm(q, tl.trans(k), UPCAST) * qk_scale - lse[:, None])
+        if EDGE or HAS_PERM:
+            p = tl.where(_visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE), p, 0.0)
+        ds = p * (_mm(do, tl.trans(v), UPCAST) - delta[:, None])
+        dq += _mm(ds.to(k.dtype), k, UPCAST)
+    return dq
 
 
 @triton.jit
@@ -203,7 +264,7 @@ def _dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)  # heads and batch on axes 1 and 2: B * H alone could pass CUDA's 65535 limit
+    h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
@@ -214,37 +275,27 @@ def _dq_kernel(
     perm_off = b * spb
     pos_m = _load_pos(PERM, perm_off, offs_m, m_valid, HAS_PERM)
     row_mask = m_valid[:, None] & d_valid[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + pos_m[:, None] * sqn + offs_d[None, :], mask=row_mask, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + pos_m[:, None] * sdn + offs_d[None, :], mask=row_mask, other=0.0)
+    q = tl.load(_rows_at(Q + b * sqb + h * sqh, pos_m, sqn, offs_d), mask=row_mask, other=0.0)
+    do = tl.load(_rows_at(DO + b * sdb + h * sdh, pos_m, sdn, offs_d), mask=row_mask, other=0.0)
     lse = tl.load(LSE + (b * Hq + h) * n + pos_m, mask=m_valid, other=0.0)
     # delta = rowsum(dO * O): computed here (each row's one visit) and stored for the dk/dv kernel, which runs next
-    o = tl.load(O + b * sob + h * soh + pos_m[:, None] * son + offs_d[None, :], mask=row_mask, other=0.0)
+    o = tl.load(_rows_at(O + b * sob + h * soh, pos_m, son, offs_d), mask=row_mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + (b * Hq + h) * n + pos_m, delta, mask=m_valid)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo = tl.maximum(start_m - left, 0)
-    lo = (lo // BLOCK_N) * BLOCK_N
-    hi = tl.minimum(start_m + BLOCK_M + right, n)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < n
-        pos_n = _load_pos(PERM, perm_off, offs_n, n_valid, HAS_PERM)
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_base + pos_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + pos_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = _mm(q, tl.trans(k), UPCAST)
-        mask = _band_mask(offs_m, offs_n, pos_m, pos_n, n, left, right) & m_valid[:, None]
-        p = tl.where(mask, tl.math.exp2(qk * qk_scale - lse[:, None]), 0.0)
-        dp = _mm(do, tl.trans(v), UPCAST)
-        ds = p * (dp - delta[:, None])
-        dq += _mm(ds.to(k.dtype), k, UPCAST)
+    lo, edge_end, mid_lo, mid_hi, hi = _tile_ranges(start_m, BLOCK_M, BLOCK_N, left, right, n)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
+                   skn, svn, n, left, right, qk_scale, lo, edge_end, True, BLOCK_N, HAS_PERM, UPCAST)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
+                   skn, svn, n, left, right, qk_scale, mid_lo, mid_hi, False, BLOCK_N, HAS_PERM, UPCAST)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
+                   skn, svn, n, left, right, qk_scale, mid_hi, hi, True, BLOCK_N, HAS_PERM, UPCAST)
 
     dq = dq * sm_scale
-    tl.store(DQ + b * sdqb + h * sdqh + pos_m[:, None] * sdqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=row_mask)
+    tl.store(_rows_at(DQ + b * sdqb + h * sdqh, pos_m, sdqn, offs_d), dq.to(DQ.dtype.element_ty), mask=row_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -253,7 +304,7 @@ def _dq_kernel(
 
 # Tuning key: sequence length and band width rounded up to powers of two (n_key, band_key: launch arguments the
 # kernels ignore) and the head dim, so variable-length evaluation does not re-tune for every length.
-_TUNE_KEY = ["n_key", "band_key", "HEAD_DIM"]
+_TUNE_KEY = ["n_key", "band_key", "HEAD_DIM", "HAS_PERM"]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -395,6 +446,8 @@ class _TritonBandedAttention(torch.autograd.Function):
         n, D, block_d, left, right, upcast = _common(q, k, left, right)
         q, k, v = _rows(q), _rows(k), _rows(v)
         perm_t, spb = _prepare_perm(perm, B, n, q.device)
+        if perm_t is None:  # storage order is original order: keys right of the query are never visible
+            right = 0
         o = _empty(q.shape, q)
         lse = _empty((B, Hq, n), q, torch.float32)
         if n > 0 and B * Hq > 0:

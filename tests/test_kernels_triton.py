@@ -28,6 +28,7 @@ DEVICE = "cuda" if CUDA and not INTERPRET else "cpu"
 requires_cuda = pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU (compiled Triton)")
 pytestmark = pytest.mark.skipif(not (CUDA or INTERPRET), reason="Triton needs CUDA or TRITON_INTERPRET=1")
 
+skip_on_gpu_autotune = pytest.mark.skipif(not INTERPRET, reason="tile sizes are autotuned on GPU")
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
@@ -144,7 +145,7 @@ def test_non_power_of_two_head_dim():
     check_against_naive(qkv, do, 4, 4, make_perm("shared", 1, 33, gen), F32)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="tile sizes are autotuned on GPU")
+@skip_on_gpu_autotune
 @pytest.mark.parametrize("bm,bn", [(32, 16), (16, 32)])
 def test_rectangular_tiles(tb, monkeypatch, bm, bn):
     """BLOCK_M != BLOCK_N (as some autotune configs): band ranges and masks of query and key tiles differ."""
@@ -153,6 +154,20 @@ def test_rectangular_tiles(tb, monkeypatch, bm, bn):
     qkv, do = make_inputs(2, 2, 1, 70, 16, F32, gen)
     check_against_naive(qkv, do, 7, 8, make_perm("batch", 2, 70, gen), F32)
     check_against_naive(qkv, do, 20, 0, None, F32)
+
+
+@skip_on_gpu_autotune
+@pytest.mark.parametrize("kind,left,right", [("batch", 40, 41), ("none", 60, 0), ("none", 30, 10), ("shared", 70, 5)])
+def test_interior_tiles(tb, monkeypatch, kind, left, right):
+    """Bands several 16-slot tiles wide: each tile loop runs its edge, interior (pi-only or no mask) and edge parts.
+
+    n = 150 leaves a ragged last tile; ("none", 30, 10) is a band reaching right of the query without pi, whose
+    keys are never visible (causal), which the kernel drops before splitting the loop.
+    """
+    monkeypatch.setattr(tb, "_interp_blocks", lambda n: {"BLOCK_M": 16, "BLOCK_N": 16})
+    gen = torch.Generator().manual_seed(11)
+    qkv, do = make_inputs(2, 2, 1, 150, 16, F32, gen)
+    check_against_naive(qkv, do, left, right, make_perm(kind, 2, 150, gen), F32)
 
 
 def test_backward_is_deterministic():
