@@ -162,8 +162,8 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n, n_valid, offs_d, d_valid,
-                sqn, sdn, n, left, right, qk_scale, lo, hi,
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n, n_valid,
+                offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, lo, hi,
                 EDGE: tl.constexpr, BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
