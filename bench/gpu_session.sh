@@ -2,6 +2,8 @@
 # Everything GPU-side in one call (a GPU lease is short): kernel tests on the GPU, the attention benchmark (the
 # issue's B=1 H=16 shape, then the paper-like batch of 8), and whole-model training throughput. From the repo root:
 #     OUT=bench/results/gpu_session bash bench/gpu_session.sh
+# With a baseline for the A/B stage (~9.5 min in all; on a lent machine whose $OUT comes back):
+#     D=$OUT; OUT=/tmp/gs PACK=$D/gpu_session.tgz BASELINE=.baseline bash bench/gpu_session.sh 2>&1 | tee $D/stdout.log
 # Each stage has its own time limit, so a slow stage cannot starve the later ones. Logs and CSVs go to $OUT and,
 # after every stage, into one archive $OUT.tgz (a lease returns few files; a run stopped mid-way keeps what it had).
 # PNG plots and markdown tables stay in bench/results/ (python -m bench.plot_csv redraws them from a CSV).
@@ -22,16 +24,18 @@ SA_TRITON_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-60}" $PY -m pytest -q -m "not slow
     -o addopts="" tests/test_kernels_triton.py > "$OUT/tests.log" 2>&1
 echo "pytest exit code $?"; grep -E "passed|failed|Error|FAILED" "$OUT/tests.log" | tail -15
 
-# A kernel change measured side by side: BASELINE names a copy of an earlier kernels/ + bench/ (e.g. from
-# `git worktree add`), run at one pinned config so that both sides compile a few kernels and no autotuning differs.
+# A kernel change measured side by side: BASELINE names a folder holding an earlier kernels/ (this tree's bench
+# code times it), e.g.  mkdir .baseline && git archive <commit> kernels | tar -x -C .baseline  (carry .baseline).
+# Both sides run at one pinned config, so each compiles a few kernels and no autotuning choice differs.
 if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kernels" ]; then
-    echo "== 2. A/B at the pinned config (64x64 tiles): $BASELINE, then this tree; n=8192 and 32768"
-    for side in "$BASELINE" .; do
-        (cd "$side" && SA_TRITON_AUTOTUNE=0 timeout "${AB_TIMEOUT:-60}" $PY -m bench.attention --n 8192 32768 \
-            --backends triton --variants full swa sa --out /tmp/ab_$(basename "$side") 2>&1 | grep -A8 "^| n ")
+    echo "== 2. A/B at the pinned config (64x64 tiles): $BASELINE/kernels, then kernels/; n=8192 and 32768"
+    ROOT=$(pwd)
+    for side in "$BASELINE" "$ROOT"; do  # run from inside $side: python -m puts the cwd first on sys.path
+        (cd "$side" && echo "kernels: $side" && PYTHONPATH="$ROOT:$ROOT/tests" SA_TRITON_AUTOTUNE=0 \
+            timeout "${AB_TIMEOUT:-60}" $PY -m bench.attention --n 8192 32768 --backends triton \
+            --variants full swa sa --out "/tmp/ab_$(basename "$side")" 2>&1 | grep -A8 "^| n ")
     done 2>&1 | tee "$OUT/ab.log"
 fi
-
 pack
 echo "== 3. attention benchmark (bf16, B=1 H=16 D=64 w=256, n=2048..32768; triton, flex, SDPA)"
 timeout "${BENCH_TIMEOUT:-200}" $PY -m bench.attention --out "$RES" 2>&1 | tee "$OUT/bench.log" | grep -v "^n="
