@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 $PY -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
 
 echo "== 1. Triton kernel tests on the GPU (bf16 / long-sequence tests included; one pinned config)"
-SA_TRITON_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-60}" $PY -m pytest -q -m "not slow" -n "${TEST_WORKERS:-12}" \
+SA_TRITON_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-90}" $PY -m pytest -q -m "not slow" -n "${TEST_WORKERS:-12}" \
     -o addopts="" tests/test_kernels_triton.py > "$OUT/tests.log" 2>&1
 echo "pytest exit code $?"; grep -E "passed|failed|Error|FAILED" "$OUT/tests.log" | tail -15
 
@@ -30,15 +30,16 @@ echo "pytest exit code $?"; grep -E "passed|failed|Error|FAILED" "$OUT/tests.log
 if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kernels" ]; then
     echo "== 2. A/B at the pinned config (64x64 tiles): $BASELINE/kernels, then kernels/; n=8192 and 32768"
     ROOT=$(pwd)
-    for side in "$BASELINE" "$ROOT"; do  # run from inside $side: python -m puts the cwd first on sys.path
-        (cd "$side" && echo "kernels: $side" && PYTHONPATH="$ROOT:$ROOT/tests" SA_TRITON_AUTOTUNE=0 \
-            timeout "${AB_TIMEOUT:-60}" $PY -m bench.attention --n 8192 32768 --backends triton \
-            --variants full swa sa --out "/tmp/ab_$(basename "$side")" 2>&1 | grep -A8 "^| n ")
+    # baseline; this tree with one masked loop per tile range (SA_TRITON_SPLIT=0); this tree as it runs by default
+    for side in "$BASELINE:1" "$ROOT:0" "$ROOT:1"; do  # run from inside the folder: python -m puts the cwd first
+        (cd "${side%:*}" && echo "kernels: ${side%:*} SA_TRITON_SPLIT=${side##*:}" && PYTHONPATH="$ROOT:$ROOT/tests" \
+            SA_TRITON_AUTOTUNE=0 SA_TRITON_SPLIT=${side##*:} timeout "${AB_TIMEOUT:-45}" $PY -m bench.attention \
+            --n 8192 32768 --backends triton --variants full swa sa --out /tmp/ab 2>&1 | grep -A8 "^| n ")
     done 2>&1 | tee "$OUT/ab.log"
 fi
 pack
 echo "== 3. attention benchmark (bf16, B=1 H=16 D=64 w=256, n=2048..32768; triton, flex, SDPA)"
-timeout "${BENCH_TIMEOUT:-200}" $PY -m bench.attention --out "$RES" 2>&1 | tee "$OUT/bench.log" | grep -v "^n="
+timeout "${BENCH_TIMEOUT:-180}" $PY -m bench.attention --out "$RES" 2>&1 | tee "$OUT/bench.log" | grep -v "^n="
 cp "$RES/attention_gpu_bf16.csv" "$OUT/" 2>/dev/null
 
 pack

@@ -17,9 +17,9 @@ Each tile loop is split in three (_tile_ranges): the tiles crossing a band edge 
 every row's band (3 of 5 at w=256 with 64-slot tiles) compare only pi's original positions (int32), and without
 pi they take no mask at all, as in flash attention's unmasked off-diagonal blocks.
 
-Block sizes are autotuned on CUDA (key: n and left+right+1 rounded up to powers of two, head dim; env
-SA_TRITON_AUTOTUNE=0 pins one config); under TRITON_INTERPRET=1 (CPU tests) one large-block config is used, since
-the interpreter's cost grows with programs x ops, not FLOPs.
+Block sizes are autotuned on CUDA (key: n and left+right+1 rounded up to powers of two, head dim, pi or not, GQA
+group; env SA_TRITON_AUTOTUNE=0 pins one config); under TRITON_INTERPRET=1 (CPU tests) one large-block config is
+used, since the interpreter's cost grows with programs x ops, not FLOPs.
 """
 
 from __future__ import annotations
@@ -70,19 +70,27 @@ def _rows_at(base, pos, stride, offs_d):
 
 
 @triton.jit
-def _tile_ranges(start, SIZE: tl.constexpr, STEP: tl.constexpr, before, after, n):
+def _tile_ranges(start, SIZE: tl.constexpr, STEP: tl.constexpr, before, after, n, SPLIT: tl.constexpr):
     """Tiles of STEP slots that meet the bands [i - before, i + after] of the rows i in [start, start + SIZE).
 
     Returns (lo, edge_end, mid_lo, mid_hi, hi): the tiles of [lo, edge_end) and [mid_hi, hi) cross a band's edge
     (or the end of the sequence) and need the band mask; the tiles of [mid_lo, mid_hi) lie inside every row's
     band, where only pi's causal order is left to check. Visiting only these tiles is the O(n*w) bound.
+    SPLIT=False (env SA_TRITON_SPLIT=0, for A/B timing) masks every tile in one loop: three loops are three
+    software pipelines to fill, which short bands may not repay.
     """
     lo = (tl.maximum(start - before, 0) // STEP) * STEP
     hi = tl.minimum(start + SIZE + after, n)
-    mid_lo = tl.maximum(start + SIZE - 1 - before, lo)
-    mid_lo = ((mid_lo + STEP - 1) // STEP) * STEP
-    mid_hi = tl.maximum((tl.minimum(start + after + 1, n) // STEP) * STEP, mid_lo)
-    return lo, tl.minimum(mid_lo, hi), mid_lo, mid_hi, hi
+    if SPLIT:
+        mid_lo = tl.maximum(start + SIZE - 1 - before, lo)
+        mid_lo = ((mid_lo + STEP - 1) // STEP) * STEP
+        mid_hi = tl.maximum((tl.minimum(start + after + 1, n) // STEP) * STEP, mid_lo)
+        edge_end = tl.minimum(mid_lo, hi)
+    else:
+        edge_end = hi
+        mid_lo = hi
+        mid_hi = hi
+    return lo, edge_end, mid_lo, mid_hi, hi
 
 
 @triton.jit
@@ -106,7 +114,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, 
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(_rows_at(k_base, pos_n, skn, offs_d), mask=kv_mask, other=0.0)
         qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
-        if EDGE or HAS_PERM:  # an interior tile without pi is causal by construction (right = 0): no mask
+        if EDGE or HAS_PERM:  # an interior tile without pi is causal: the wrapper sets right = 0 when perm is None
             qk = tl.where(_visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: avoid inf - inf
@@ -126,6 +134,7 @@ def _fwd_kernel(
     n, left, right, Hq, qk_scale, n_key, band_key,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)  # heads and batch on axes 1 and 2: B * H alone could pass CUDA's 65535 limit
@@ -146,13 +155,16 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, edge_end, mid_lo, mid_hi, hi = _tile_ranges(start_m, BLOCK_M, BLOCK_N, left, right, n)
+    lo, edge_end, mid_lo, mid_hi, hi = _tile_ranges(start_m, BLOCK_M, BLOCK_N, left, right, n, SPLIT)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
                                skn, svn, n, left, right, qk_scale, lo, edge_end, True, BLOCK_N, HAS_PERM, UPCAST)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
-                               skn, svn, n, left, right, qk_scale, mid_lo, mid_hi, False, BLOCK_N, HAS_PERM, UPCAST)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
-                               skn, svn, n, left, right, qk_scale, mid_hi, hi, True, BLOCK_N, HAS_PERM, UPCAST)
+    if SPLIT:
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d,
+                                   d_valid, skn, svn, n, left, right, qk_scale, mid_lo, mid_hi, False, BLOCK_N,
+                                   HAS_PERM, UPCAST)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d,
+                                   d_valid, skn, svn, n, left, right, qk_scale, mid_hi, hi, True, BLOCK_N,
+                                   HAS_PERM, UPCAST)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only padding rows (slot >= n); real rows always see themselves
     acc = acc / l_safe[:, None]
@@ -196,6 +208,7 @@ def _dkdv_kernel(
     n, left, right, Hq, Hkv, qk_scale, sm_scale, n_key, band_key,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
@@ -214,7 +227,7 @@ def _dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # the queries i that can see key slot j satisfy j - right <= i <= j + left: the band seen from the key side
-    lo, edge_end, mid_lo, mid_hi, hi = _tile_ranges(start_n, BLOCK_N, BLOCK_M, right, left, n)
+    lo, edge_end, mid_lo, mid_hi, hi = _tile_ranges(start_n, BLOCK_N, BLOCK_M, right, left, n, SPLIT)
     for g in range(GROUP):  # the query heads sharing this key/value head: GQA without expanding K/V, no atomics
         h = hk * GROUP + g
         q_base = Q + b * sqb + h * sqh
@@ -224,12 +237,13 @@ def _dkdv_kernel(
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n,
                              n_valid, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, lo, edge_end,
                              True, BLOCK_M, HAS_PERM, UPCAST)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n,
-                             n_valid, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, mid_lo, mid_hi,
-                             False, BLOCK_M, HAS_PERM, UPCAST)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n,
-                             n_valid, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, mid_hi, hi,
-                             True, BLOCK_M, HAS_PERM, UPCAST)
+        if SPLIT:
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n,
+                                 pos_n, n_valid, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, mid_lo, mid_hi,
+                                 False, BLOCK_M, HAS_PERM, UPCAST)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n,
+                                 pos_n, n_valid, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, mid_hi, hi,
+                                 True, BLOCK_M, HAS_PERM, UPCAST)
 
     dk = dk * sm_scale
     tl.store(_rows_at(DK + b * sdkb + hk * sdkh, pos_n, sdkn, offs_d), dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -262,6 +276,7 @@ def _dq_kernel(
     n, left, right, Hq, qk_scale, sm_scale, n_key, band_key,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -286,13 +301,14 @@ def _dq_kernel(
     v_base = V + b * svb + hk * svh
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, edge_end, mid_lo, mid_hi, hi = _tile_ranges(start_m, BLOCK_M, BLOCK_N, left, right, n)
+    lo, edge_end, mid_lo, mid_hi, hi = _tile_ranges(start_m, BLOCK_M, BLOCK_N, left, right, n, SPLIT)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
                    skn, svn, n, left, right, qk_scale, lo, edge_end, True, BLOCK_N, HAS_PERM, UPCAST)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
-                   skn, svn, n, left, right, qk_scale, mid_lo, mid_hi, False, BLOCK_N, HAS_PERM, UPCAST)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
-                   skn, svn, n, left, right, qk_scale, mid_hi, hi, True, BLOCK_N, HAS_PERM, UPCAST)
+    if SPLIT:
+        dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
+                       skn, svn, n, left, right, qk_scale, mid_lo, mid_hi, False, BLOCK_N, HAS_PERM, UPCAST)
+        dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
+                       skn, svn, n, left, right, qk_scale, mid_hi, hi, True, BLOCK_N, HAS_PERM, UPCAST)
 
     dq = dq * sm_scale
     tl.store(_rows_at(DQ + b * sdqb + h * sdqh, pos_m, sdqn, offs_d), dq.to(DQ.dtype.element_ty), mask=row_mask)
@@ -303,8 +319,9 @@ def _dq_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 
 # Tuning key: sequence length and band width rounded up to powers of two (n_key, band_key: launch arguments the
-# kernels ignore) and the head dim, so variable-length evaluation does not re-tune for every length.
-_TUNE_KEY = ["n_key", "band_key", "HEAD_DIM", "HAS_PERM"]
+# kernels ignore), so variable-length evaluation does not re-tune for every length; the head dim, whether rows move
+# through pi (gathers) and the GQA group (the dk/dv kernel's work per program).
+_TUNE_KEY = ["n_key", "band_key", "HEAD_DIM", "HAS_PERM", "GROUP"]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -341,6 +358,8 @@ _DKDV_CONFIGS = _configs(
      (32, 32, 4, 2), (16, 16, 4, 1)]
 )
 
+# SA_TRITON_SPLIT=0: one masked loop over all tiles instead of edge / interior / edge (see _tile_ranges)
+_SPLIT = os.environ.get("SA_TRITON_SPLIT", "1") != "0"
 # SA_TRITON_AUTOTUNE=0 pins one config on CUDA too: GPU test runs compile each shape once instead of ~5 times.
 _AUTOTUNE = not _INTERPRET and os.environ.get("SA_TRITON_AUTOTUNE", "1") != "0"
 
@@ -457,7 +476,8 @@ class _TritonBandedAttention(torch.autograd.Function):
                     (q, k, v, o, lse, perm_t if perm_t is not None else q,
                      *_strides(q), *_strides(k), *_strides(v), *_strides(o), spb,
                      n, left, right, Hq, scale * _LOG2E, *_tune_keys(n, left, right)),
-                    dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HAS_PERM=perm_t is not None, UPCAST=upcast),
+                    dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HAS_PERM=perm_t is not None, UPCAST=upcast,
+                         SPLIT=_SPLIT),
                     "BLOCK_M", n, block_d * q.element_size(),
                 )
         ctx.save_for_backward(q, k, v, o, lse, perm_t)
@@ -481,7 +501,8 @@ class _TritonBandedAttention(torch.autograd.Function):
         with _on_device(q):
             delta = _empty(lse.shape, lse)
             perm_arg = perm_t if perm_t is not None else q
-            flags = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HAS_PERM=perm_t is not None, UPCAST=upcast)
+            flags = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HAS_PERM=perm_t is not None, UPCAST=upcast,
+                         SPLIT=_SPLIT)
             keys = _tune_keys(n, left, right)
             _launch(  # first: it also writes delta, which the dk/dv kernel reads
                 _dq, (Hq, B),

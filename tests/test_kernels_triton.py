@@ -157,14 +157,19 @@ def test_rectangular_tiles(tb, monkeypatch, bm, bn):
 
 
 @skip_on_gpu_autotune
-@pytest.mark.parametrize("kind,left,right", [("batch", 40, 41), ("none", 60, 0), ("none", 30, 10), ("shared", 70, 5)])
-def test_interior_tiles(tb, monkeypatch, kind, left, right):
-    """Bands several 16-slot tiles wide: each tile loop runs its edge, interior (pi-only or no mask) and edge parts.
+@pytest.mark.parametrize("kind,left,right,bm,bn,split", [
+    ("batch", 40, 41, 16, 16, True), ("none", 60, 0, 16, 16, True), ("none", 30, 10, 16, 16, True),
+    ("shared", 70, 5, 32, 16, True), ("batch", 40, 41, 16, 32, True), ("batch", 40, 41, 16, 16, False),
+])
+def test_interior_tiles(tb, monkeypatch, kind, left, right, bm, bn, split):
+    """Bands several tiles wide: each tile loop runs its edge, interior (pi-only or no mask) and edge parts.
 
     n = 150 leaves a ragged last tile; ("none", 30, 10) is a band reaching right of the query without pi, whose
-    keys are never visible (causal), which the kernel drops before splitting the loop.
+    keys are never visible (causal), which the kernel drops before splitting the loop; split=False is the single
+    masked loop that SA_TRITON_SPLIT=0 selects for A/B timing.
     """
-    monkeypatch.setattr(tb, "_interp_blocks", lambda n: {"BLOCK_M": 16, "BLOCK_N": 16})
+    monkeypatch.setattr(tb, "_interp_blocks", lambda n: {"BLOCK_M": bm, "BLOCK_N": bn})
+    monkeypatch.setattr(tb, "_SPLIT", split)
     gen = torch.Generator().manual_seed(11)
     qkv, do = make_inputs(2, 2, 1, 150, 16, F32, gen)
     check_against_naive(qkv, do, left, right, make_perm(kind, 2, 150, gen), F32)
