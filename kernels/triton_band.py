@@ -104,14 +104,19 @@ def _visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE: tl.constexpr):
 
 
 @triton.jit
+def _key_tile(PERM, perm_off, start_n, n, d_valid, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr):
+    """Slots, original positions and the [BLOCK_N, BLOCK_D] load mask of the key tile starting at slot start_n."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < n
+    return offs_n, _load_pos(PERM, perm_off, offs_n, n_valid, HAS_PERM), n_valid[:, None] & d_valid[None, :]
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
                skn, svn, n, left, right, qk_scale, lo, hi,
                EDGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < n
-        pos_n = _load_pos(PERM, perm_off, offs_n, n_valid, HAS_PERM)
-        kv_mask = n_valid[:, None] & d_valid[None, :]
+        offs_n, pos_n, kv_mask = _key_tile(PERM, perm_off, start_n, n, d_valid, BLOCK_N, HAS_PERM)
         k = tl.load(_rows_at(k_base, pos_n, skn, offs_d), mask=kv_mask, other=0.0)
         qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
         if EDGE or HAS_PERM:  # an interior tile without pi is causal: the wrapper sets right = 0 when perm is None
@@ -255,10 +260,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos
               skn, svn, n, left, right, qk_scale, lo, hi,
               EDGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < n
-        pos_n = _load_pos(PERM, perm_off, offs_n, n_valid, HAS_PERM)
-        kv_mask = n_valid[:, None] & d_valid[None, :]
+        offs_n, pos_n, kv_mask = _key_tile(PERM, perm_off, start_n, n, d_valid, BLOCK_N, HAS_PERM)
         k = tl.load(_rows_at(k_base, pos_n, skn, offs_d), mask=kv_mask, other=0.0)
         v = tl.load(_rows_at(v_base, pos_n, svn, offs_d), mask=kv_mask, other=0.0)
         p = tl.math.exp2(_mm(q, tl.trans(k), UPCAST) * qk_scale - lse[:, None])
