@@ -335,7 +335,7 @@ def _prune(configs, named_args, **kwargs):
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
         if d >= 256 and bm * bn > 64 * 64:
             continue
-        if max(bm, bn) > max(16, triton.next_power_of_2(n)) and bm * bn > 16 * 16:
+        if max(bm, bn) > max(16, _pow2(n)) and bm * bn > 16 * 16:
             continue
         keep.append(c)
     return keep or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
@@ -384,12 +384,17 @@ else:
 
 def _interp_blocks(n: int) -> dict:
     """Interpreter config: the largest tiles up to 64 that the sequence fills (fewest programs and loop steps)."""
-    blk = max(16, min(64, triton.next_power_of_2(n)))
+    blk = max(16, min(64, _pow2(n)))
     return {"BLOCK_M": blk, "BLOCK_N": blk}
 
 
+def _pow2(x: int) -> int:
+    """Smallest power of two >= x (>= 1). Plain Python: triton.next_power_of_2 costs ~10 us a call on the host."""
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
 def _tune_keys(n: int, left: int, right: int) -> tuple[int, int]:
-    return triton.next_power_of_2(max(n, 1)), triton.next_power_of_2(left + right + 1)
+    return _pow2(max(n, 1)), _pow2(left + right + 1)
 
 
 # (kernel, n_key, band_key, kwargs, dtype, device) -> the config the autotuner chose. Later calls launch the jitted
@@ -452,36 +457,42 @@ def _on_device(t: torch.Tensor):
 def _common(q, k, left, right):
     D = q.shape[-1]
     n = q.shape[2]
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, _pow2(D))
     # clamp the band to the sequence (no change in meaning) so huge "full attention" bands fit in int32
     left, right = min(int(left), n), min(int(right), n)
     upcast = _INTERPRET and q.dtype == torch.bfloat16
     return n, D, block_d, left, right, upcast
 
 
+def _forward(q, k, v, left, right, perm, scale):
+    """Launch the forward kernel. Returns (o, lse, q, k, v, perm, right, spb): what the backward needs."""
+    B, Hq, _, _ = q.shape
+    Hkv = k.shape[1]
+    n, D, block_d, left, right, upcast = _common(q, k, left, right)
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    perm_t, spb = _prepare_perm(perm, B, n, q.device)
+    if perm_t is None:  # storage order is original order: keys right of the query are never visible
+        right = 0
+    o = _empty(q.shape, q)
+    lse = _empty((B, Hq, n), q, torch.float32)
+    if n > 0 and B * Hq > 0:
+        with _on_device(q):
+            _launch(
+                _fwd, (Hq, B),
+                (q, k, v, o, lse, perm_t if perm_t is not None else q,
+                 *_strides(q), *_strides(k), *_strides(v), *_strides(o), spb,
+                 n, left, right, Hq, scale * _LOG2E, *_tune_keys(n, left, right)),
+                dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HAS_PERM=perm_t is not None, UPCAST=upcast,
+                     SPLIT=_SPLIT),
+                "BLOCK_M", n, block_d * q.element_size(),
+            )
+    return o, lse, q, k, v, perm_t, left, right, spb
+
+
 class _TritonBandedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, left, right, perm, scale):
-        B, Hq, _, _ = q.shape
-        Hkv = k.shape[1]
-        n, D, block_d, left, right, upcast = _common(q, k, left, right)
-        q, k, v = _rows(q), _rows(k), _rows(v)
-        perm_t, spb = _prepare_perm(perm, B, n, q.device)
-        if perm_t is None:  # storage order is original order: keys right of the query are never visible
-            right = 0
-        o = _empty(q.shape, q)
-        lse = _empty((B, Hq, n), q, torch.float32)
-        if n > 0 and B * Hq > 0:
-            with _on_device(q):
-                _launch(
-                    _fwd, (Hq, B),
-                    (q, k, v, o, lse, perm_t if perm_t is not None else q,
-                     *_strides(q), *_strides(k), *_strides(v), *_strides(o), spb,
-                     n, left, right, Hq, scale * _LOG2E, *_tune_keys(n, left, right)),
-                    dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HAS_PERM=perm_t is not None, UPCAST=upcast,
-                         SPLIT=_SPLIT),
-                    "BLOCK_M", n, block_d * q.element_size(),
-                )
+        o, lse, q, k, v, perm_t, left, right, spb = _forward(q, k, v, left, right, perm, scale)
         ctx.save_for_backward(q, k, v, o, lse, perm_t)
         ctx.band = (left, right, scale, spb)
         return o
@@ -492,7 +503,7 @@ class _TritonBandedAttention(torch.autograd.Function):
         left, right, scale, spb = ctx.band
         B, Hq, n, D = q.shape
         Hkv = k.shape[1]
-        block_d = max(16, triton.next_power_of_2(D))
+        block_d = max(16, _pow2(D))
         upcast = _INTERPRET and q.dtype == torch.bfloat16
         do = _rows(do)
         dq = _empty(q.shape, q)
@@ -536,4 +547,6 @@ def triton_banded_attention(q, k, v, left: int, right: int, perm=None, scale=Non
     if q.shape[-1] > TRITON_MAX_HEAD_DIM:
         raise ValueError(f"head dim {q.shape[-1]} > {TRITON_MAX_HEAD_DIM} is not supported by the Triton kernel")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _TritonBandedAttention.apply(q, k, v, left, right, perm, scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _TritonBandedAttention.apply(q, k, v, left, right, perm, scale)
+    return _forward(q, k, v, left, right, perm, scale)[0]  # inference: no autograd node, nothing saved

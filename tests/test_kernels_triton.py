@@ -207,6 +207,22 @@ def test_dispatch_from_banded_attention():
         assert rel_err(out, ref) <= 1e-5
 
 
+def test_inference_path_matches_autograd_path():
+    """Without grad (no_grad, or inputs that need none) the forward runs without an autograd node: same output."""
+    from kernels.triton_band import triton_banded_attention
+
+    gen = torch.Generator().manual_seed(12)
+    (q, k, v), _ = make_inputs(2, 4, 2, 70, 16, F32, gen)
+    perm = make_perm("batch", 2, 70, gen)
+    with_grad = triton_banded_attention(*(t.clone().requires_grad_() for t in (q, k, v)), 9, 10, perm)
+    assert with_grad.grad_fn is not None
+    with torch.no_grad():
+        no_grad = triton_banded_attention(*(t.clone().requires_grad_() for t in (q, k, v)), 9, 10, perm)
+    plain = triton_banded_attention(q, k, v, 9, 10, perm)
+    for out in (no_grad, plain):
+        assert out.grad_fn is None and torch.equal(out, with_grad.detach())
+
+
 def test_rejects_bad_arguments():
     from kernels.triton_band import triton_banded_attention
 
