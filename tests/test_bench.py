@@ -1,0 +1,46 @@
+"""The benchmark scripts run end to end at toy sizes (a GPU session runs them once, with no time to fix a crash)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def run_module(args, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_attention_benchmark_writes_table_csv_and_plot(tmp_path):
+    out = tmp_path / "results"
+    proc = run_module(["bench.attention", "--device", "cpu", "--n", "64", "96", "--window", "16", "--heads", "2",
+                       "--head-dim", "16", "--reps", "1", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "correctness gate torch: ok" in proc.stdout
+    rows = list(csv.DictReader(open(out / "attention_cpu_fp32.csv")))
+    assert {(r["n"], r["variant"]) for r in rows} == {(n, v) for n in ("64", "96")
+                                                      for v in ("full", "swa", "sa", "gated_sa_swa")}
+    assert all(float(r["fwd_ms"]) > 0 and float(r["fwd_bwd_ms"]) > 0 for r in rows)
+    assert (out / "attention_cpu_fp32.png").stat().st_size > 0
+    table = (out / "attention_cpu_fp32.md").read_text()
+    assert table.count("| 64 | torch |") == 2 and table.count("| 96 | torch |") == 2
+
+
+def test_attention_benchmark_subset_of_variants(tmp_path):
+    """--variants without SWA or full: the ratio columns are left empty instead of crashing the table."""
+    out = tmp_path / "results"
+    proc = run_module(["bench.attention", "--device", "cpu", "--n", "64", "--window", "16", "--heads", "2",
+                       "--head-dim", "16", "--reps", "1", "--variants", "sa", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| 64 | torch | fwd | - | - |" in (out / "attention_cpu_fp32.md").read_text()
+
+
+def test_host_overhead_benchmark(tmp_path):
+    proc = run_module(["bench.host_overhead", "--n", "64", "--calls", "5"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [line.split(":")[0].strip() for line in proc.stdout.splitlines()] == ["fwd_no_grad", "fwd", "fwd_bwd"]
