@@ -33,13 +33,15 @@ if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kernels" ]; then
     # baseline; this tree with one masked loop per tile range (SA_TRITON_SPLIT=0); this tree as it runs by default
     for side in "$BASELINE:1" "$ROOT:0" "$ROOT:1"; do  # run from inside the folder: python -m puts the cwd first
         (cd "${side%:*}" && echo "kernels: ${side%:*} SA_TRITON_SPLIT=${side##*:}" && PYTHONPATH="$ROOT:$ROOT/tests" \
-            SA_TRITON_AUTOTUNE=0 SA_TRITON_SPLIT=${side##*:} timeout "${AB_TIMEOUT:-45}" $PY -m bench.attention \
+            SA_TRITON_AUTOTUNE=0 SA_TRITON_SPLIT=${side##*:} timeout "${AB_TIMEOUT:-40}" $PY -m bench.attention \
             --n 8192 32768 --backends triton --variants full swa sa --out /tmp/ab 2>&1 | grep -A8 "^| n ")
     done 2>&1 | tee "$OUT/ab.log"
 fi
+echo "== 2b. host cost of the Triton wrapper per call (launches stubbed; this machine's CPU)"
+timeout 20 $PY -m bench.host_overhead 2>&1 | tee "$OUT/host.log"
 pack
 echo "== 3. attention benchmark (bf16, B=1 H=16 D=64 w=256, n=2048..32768; triton, flex, SDPA)"
-timeout "${BENCH_TIMEOUT:-180}" $PY -m bench.attention --out "$RES" 2>&1 | tee "$OUT/bench.log" | grep -v "^n="
+timeout "${BENCH_TIMEOUT:-170}" $PY -m bench.attention --out "$RES" 2>&1 | tee "$OUT/bench.log" | grep -v "^n="
 cp "$RES/attention_gpu_bf16.csv" "$OUT/" 2>/dev/null
 
 pack
