@@ -20,9 +20,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 $PY -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
 
 echo "== 1. Triton kernel tests on the GPU (bf16 / long-sequence tests included; one pinned config)"
-SA_TRITON_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-90}" $PY -m pytest -q -m "not slow" -n "${TEST_WORKERS:-12}" \
+SA_TRITON_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-80}" $PY -m pytest -q -m "not slow" -n "${TEST_WORKERS:-12}" \
     -o addopts="" tests/test_kernels_triton.py > "$OUT/tests.log" 2>&1
 echo "pytest exit code $?"; grep -E "passed|failed|Error|FAILED" "$OUT/tests.log" | tail -15
+
+echo "== 1b. what this Triton version's compiler makes of the kernels (pipeline depth, registers; no launch)"
+timeout 20 $PY -m bench.kernel_schedule 2>&1 | tee "$OUT/kernel_schedule.log"
 
 # A kernel change measured side by side: BASELINE names a folder holding an earlier kernels/ (this tree's bench
 # code times it), e.g.  mkdir .baseline && git archive <commit> kernels | tar -x -C .baseline  (carry .baseline).
@@ -30,6 +33,9 @@ echo "pytest exit code $?"; grep -E "passed|failed|Error|FAILED" "$OUT/tests.log
 if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kernels" ]; then
     echo "== 2. A/B at the pinned config (64x64 tiles): $BASELINE/kernels, then kernels/; n=8192 and 32768"
     ROOT=$(pwd)
+    # same 3-stage pin on both sides: kernels before 2026-12-01 pinned 2 stages, which keep no tile in flight
+    sed -i 's/"num_warps": 4, "num_stages": 2}/"num_warps": 4, "num_stages": 3}/' "$BASELINE/kernels/triton_band.py"
+    grep -q '"num_stages": 3' "$BASELINE/kernels/triton_band.py" || echo "warning: baseline pin not 3 stages"
     # baseline; this tree with one masked loop per tile range (SA_TRITON_SPLIT=0); this tree as it runs by default
     for side in "$BASELINE:1" "$ROOT:0" "$ROOT:1"; do  # run from inside the folder: python -m puts the cwd first
         (cd "${side%:*}" && echo "kernels: ${side%:*} SA_TRITON_SPLIT=${side##*:}" && PYTHONPATH="$ROOT:$ROOT/tests" \

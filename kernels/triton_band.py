@@ -15,7 +15,8 @@ Kernels (all fp32 accumulation, flash-attention online softmax, base-2 exponenti
                   and also writes delta = rowsum(dO * O) per query row for the dk/dv kernel (no separate launch).
 Each tile loop is split in three (_tile_ranges): the tiles crossing a band edge take the full mask; those inside
 every row's band (3 of 5 at w=256 with 64-slot tiles) compare only pi's original positions (int32), and without
-pi they take no mask at all, as in flash attention's unmasked off-diagonal blocks.
+pi they take no mask at all, as in flash attention's unmasked off-diagonal blocks. Every loop loads pi's entries
+one tile ahead (_pos_tile), so the gathered tiles pipeline as deep as contiguous ones.
 
 Block sizes are autotuned on CUDA (key: n and left+right+1 rounded up to powers of two, head dim, pi or not, GQA
 group; env SA_TRITON_AUTOTUNE=0 pins one config); under TRITON_INTERPRET=1 (CPU tests) one large-block config is
@@ -54,10 +55,18 @@ def _mm(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _load_pos(PERM, perm_off, offs, valid, HAS_PERM: tl.constexpr):
-    """Original position of each storage slot in `offs` (int32, so the [M, N] causal compares are 32-bit)."""
+def _pos_tile(PERM, perm_off, start, n, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr):
+    """Original positions of the storage slots [start, start + BLOCK) (int32: the [M, N] causal compares are 32-bit).
+
+    The tile loops load these one iteration ahead. When a gather's row addresses come from a load in the same
+    iteration, Triton's software pipeliner (3.7, sm_90) issues the next tile's gather at the end of a step and
+    waits for it at the top of the next, so every step paid the gather's whole latency; with pi carried over from
+    the previous iteration, the next tile's k/v (or q/dO) stay in flight while a step computes, as without pi
+    (`python -m bench.kernel_schedule` shows both).
+    """
+    offs = start + tl.arange(0, BLOCK)
     if HAS_PERM:
-        pos = tl.load(PERM + perm_off + offs, mask=valid, other=0).to(tl.int32)
+        pos = tl.load(PERM + perm_off + offs, mask=offs < n, other=0).to(tl.int32)
     else:
         pos = offs
     return pos
@@ -104,19 +113,17 @@ def _visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE: tl.constexpr):
 
 
 @triton.jit
-def _key_tile(PERM, perm_off, start_n, n, d_valid, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr):
-    """Slots, original positions and the [BLOCK_N, BLOCK_D] load mask of the key tile starting at slot start_n."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < n
-    return offs_n, _load_pos(PERM, perm_off, offs_n, n_valid, HAS_PERM), n_valid[:, None] & d_valid[None, :]
-
-
-@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
                skn, svn, n, left, right, qk_scale, lo, hi,
                EDGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
+    pos_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n, pos_n, kv_mask = _key_tile(PERM, perm_off, start_n, n, d_valid, BLOCK_N, HAS_PERM)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n < n)[:, None] & d_valid[None, :]
+        pos_n = offs_n
+        if HAS_PERM:  # pi one tile ahead: see _pos_tile
+            pos_n = pos_next
+            pos_next = _pos_tile(PERM, perm_off, start_n + BLOCK_N, n, BLOCK_N, HAS_PERM)
         k = tl.load(_rows_at(k_base, pos_n, skn, offs_d), mask=kv_mask, other=0.0)
         qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
         if EDGE or HAS_PERM:  # an interior tile without pi is causal: the wrapper sets right = 0 when perm is None
@@ -151,7 +158,7 @@ def _fwd_kernel(
     d_valid = offs_d < HEAD_DIM
     m_valid = offs_m < n
     perm_off = b * spb
-    pos_m = _load_pos(PERM, perm_off, offs_m, m_valid, HAS_PERM)
+    pos_m = _pos_tile(PERM, perm_off, start_m, n, BLOCK_M, HAS_PERM)
     row_mask = m_valid[:, None] & d_valid[None, :]
     q = tl.load(_rows_at(Q + b * sqb + h * sqh, pos_m, sqn, offs_d), mask=row_mask, other=0.0)
     k_base = K + b * skb + hk * skh
@@ -182,10 +189,14 @@ def _fwd_kernel(
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n, n_valid,
                 offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, lo, hi,
                 EDGE: tl.constexpr, BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
+    pos_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_M, HAS_PERM)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_valid = offs_m < n
-        pos_m = _load_pos(PERM, perm_off, offs_m, m_valid, HAS_PERM)
+        pos_m = offs_m
+        if HAS_PERM:  # pi one tile ahead: see _pos_tile
+            pos_m = pos_next
+            pos_next = _pos_tile(PERM, perm_off, start_m + BLOCK_M, n, BLOCK_M, HAS_PERM)
         row_mask = m_valid[:, None] & d_valid[None, :]
         q = tl.load(_rows_at(q_base, pos_m, sqn, offs_d), mask=row_mask, other=0.0)
         do = tl.load(_rows_at(do_base, pos_m, sdn, offs_d), mask=row_mask, other=0.0)
@@ -224,7 +235,7 @@ def _dkdv_kernel(
     d_valid = offs_d < HEAD_DIM
     n_valid = offs_n < n
     perm_off = b * spb
-    pos_n = _load_pos(PERM, perm_off, offs_n, n_valid, HAS_PERM)
+    pos_n = _pos_tile(PERM, perm_off, start_n, n, BLOCK_N, HAS_PERM)
     kv_mask = n_valid[:, None] & d_valid[None, :]
     k = tl.load(_rows_at(K + b * skb + hk * skh, pos_n, skn, offs_d), mask=kv_mask, other=0.0)
     v = tl.load(_rows_at(V + b * svb + hk * svh, pos_n, svn, offs_d), mask=kv_mask, other=0.0)
@@ -259,8 +270,14 @@ def _dkdv_kernel(
 def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
               skn, svn, n, left, right, qk_scale, lo, hi,
               EDGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
+    pos_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n, pos_n, kv_mask = _key_tile(PERM, perm_off, start_n, n, d_valid, BLOCK_N, HAS_PERM)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n < n)[:, None] & d_valid[None, :]
+        pos_n = offs_n
+        if HAS_PERM:  # pi one tile ahead: see _pos_tile
+            pos_n = pos_next
+            pos_next = _pos_tile(PERM, perm_off, start_n + BLOCK_N, n, BLOCK_N, HAS_PERM)
         k = tl.load(_rows_at(k_base, pos_n, skn, offs_d), mask=kv_mask, other=0.0)
         v = tl.load(_rows_at(v_base, pos_n, svn, offs_d), mask=kv_mask, other=0.0)
         p = tl.math.exp2(_mm(q, tl.trans(k), UPCAST) * qk_scale - lse[:, None])
@@ -290,7 +307,7 @@ def _dq_kernel(
     d_valid = offs_d < HEAD_DIM
     m_valid = offs_m < n
     perm_off = b * spb
-    pos_m = _load_pos(PERM, perm_off, offs_m, m_valid, HAS_PERM)
+    pos_m = _pos_tile(PERM, perm_off, start_m, n, BLOCK_M, HAS_PERM)
     row_mask = m_valid[:, None] & d_valid[None, :]
     q = tl.load(_rows_at(Q + b * sqb + h * sqh, pos_m, sqn, offs_d), mask=row_mask, other=0.0)
     do = tl.load(_rows_at(DO + b * sdb + h * sdh, pos_m, sdn, offs_d), mask=row_mask, other=0.0)
@@ -367,9 +384,12 @@ _AUTOTUNE = not _INTERPRET and os.environ.get("SA_TRITON_AUTOTUNE", "1") != "0"
 
 
 def _fixed_gpu_config(row_bytes: int) -> dict:
-    """The pinned config: 64-row tiles up to 256-byte rows (D=128 in 16-bit), then smaller ones (shared memory)."""
+    """The pinned config: 64-row tiles up to 256-byte rows (D=128 in 16-bit), then smaller ones (shared memory).
+
+    Three stages up to 128-byte rows: with two, the pipeliner keeps no tile in flight (bench/kernel_schedule.py).
+    """
     blk = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16
-    return {"BLOCK_M": blk, "BLOCK_N": blk, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": blk, "BLOCK_N": blk, "num_warps": 4, "num_stages": 3 if row_bytes <= 128 else 2}
 
 
 if not _AUTOTUNE:

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -44,3 +46,23 @@ def test_host_overhead_benchmark(tmp_path):
     proc = run_module(["bench.host_overhead", "--n", "64", "--calls", "5"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [line.split(":")[0].strip() for line in proc.stdout.splitlines()] == ["fwd_no_grad", "fwd", "fwd_bwd"]
+
+
+def _cuda_toolchain() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"))
+
+
+@pytest.mark.skipif(not _cuda_toolchain(), reason="needs Triton's CUDA backend (ptxas, cuobjdump)")
+def test_sa_loops_pipeline_as_deep_as_swa(tmp_path):
+    """Compiled for sm_90 on this CPU: every SA tile loop keeps as many tiles in flight as SWA's, and none spills.
+    Loading pi in the same step as the gather it addresses kept 0 tiles in flight (each step waited for its loads)."""
+    proc = run_module(["bench.kernel_schedule", "--check"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| fwd") or
+            line.startswith("| dq") or line.startswith("| dkdv")]
+    assert len(rows) == 6
+    assert all(float(depth) >= 1 for row in rows for depth in row[9].split("/"))

@@ -1,0 +1,170 @@
+"""How the Triton kernels compile for a GPU, on any machine: registers, spills, shared memory, software pipeline.
+
+    python -m bench.kernel_schedule [--arch 90] [--head-dim 64] [--all-configs] [--check]
+
+Triton compiles for a CUDA target without a GPU (its wheel ships ptxas), so this reads what the compiler made of
+each kernel, SWA (rows in order) and SA (rows gathered through pi) side by side, for the pinned config or every
+autotune config (`--all-configs`). Per loop it reports the tiles in flight: how many tiles' async copies the loop
+leaves outstanding while it computes the current one (the `num` of the `ttg.async_wait` at the top of the loop
+divided by the copies it issues per step). 0 means each step waits for the loads it just issued and pays their
+whole latency; flash-attention style loops keep >= 1. `--check` exits 1 when an SA loop keeps fewer tiles in
+flight than the same SWA loop, or when a kernel spills registers (tests/test_bench.py runs it). It says nothing of
+speed by itself: bench/attention.py on a GPU measures that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+KERNELS = {"fwd": "_fwd_kernel", "dq": "_dq_kernel", "dkdv": "_dkdv_kernel"}
+FP32_POINTERS = ("LSE", "DELTA")
+
+
+@dataclass
+class Loop:
+    copies: int  # async copies issued per step
+    wait_num: int  # copies the step-top wait leaves outstanding
+    sync_loads: int  # plain (blocking) loads per step
+
+    @property
+    def tiles_in_flight(self) -> float:
+        return self.wait_num / self.copies if self.copies else 0.0
+
+
+@dataclass
+class Compiled:
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    loops: list[Loop]
+
+
+def pipelined_loops(ttgir: str) -> list[Loop]:
+    """The scf.for loops of a TTGIR module that issue async copies (the tile loops), in program order."""
+    loops, stack = [], []
+    for line in ttgir.splitlines():
+        s = line.strip()
+        if "scf.for" in s:
+            stack.append(Loop(0, -1, 0))
+        elif not stack:
+            continue
+        elif s.startswith("scf.yield"):
+            loop = stack.pop()
+            if loop.copies:
+                loops.append(loop)
+        elif "ttg.async_wait" in s and stack[-1].wait_num < 0:
+            stack[-1].wait_num = int(re.search(r"num = (\d+)", s).group(1))
+        elif "ttg.async_copy_global_to_local" in s:
+            stack[-1].copies += 1
+        elif re.search(r"= tt\.load ", s):
+            stack[-1].sync_loads += 1
+    for loop in loops:
+        loop.wait_num = max(loop.wait_num, 0)
+    return loops
+
+
+def _signature(jit, constexprs: dict, dtype: str):
+    """Argument types of a launch with contiguous [B, H, n, D] rows and n a multiple of 16 (what the JIT's
+    specialisation sees at the benchmark's shapes): 16-divisible pointers, strides and n."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(jit.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        if name.isupper():
+            sig[name] = "*i64" if name == "PERM" else "*fp32" if name in FP32_POINTERS else f"*{dtype}"
+        else:
+            sig[name] = "fp32" if "scale" in name else "i32"
+        if name.isupper() or name == "n" or (name.startswith("s") and name != "spb"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def compile_kernel(kernel: str, block_m: int, block_n: int, num_warps: int, num_stages: int, has_perm: bool,
+                   split: bool, head_dim: int = 64, arch: int = 90, dtype: str = "bf16") -> Compiled:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import kernels.triton_band as tb
+
+    jit = getattr(tb, KERNELS[kernel])
+    constexprs = dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_D=tb._pow2(max(16, head_dim)), BLOCK_M=block_m,
+                      BLOCK_N=block_n, HAS_PERM=has_perm, UPCAST=False, SPLIT=split)
+    constexprs = {k: v for k, v in constexprs.items() if k in jit.arg_names}  # older kernels (A/B) lack some
+    sig, attrs = _signature(jit, constexprs, dtype)
+    binary = triton.compile(ASTSource(jit, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    return Compiled(*_resources(binary.asm["cubin"]), binary.metadata.shared, pipelined_loops(binary.asm["ttgir"]))
+
+
+def _resources(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, local-memory bytes per thread, i.e. spills) from cuobjdump, shipped with Triton."""
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"LOCAL:(\d+)", usage).group(1))
+
+
+def _configs(kernel: str, all_configs: bool, head_dim: int) -> list[tuple[int, int, int, int]]:
+    import kernels.triton_band as tb
+
+    if not all_configs:  # the pinned config (SA_TRITON_AUTOTUNE=0: GPU tests, bench/gpu_session.sh's A/B stage)
+        c = tb._fixed_gpu_config(2 * tb._pow2(max(16, head_dim)))
+        return [(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"])]
+    table = {"fwd": tb._FWD_CONFIGS, "dq": tb._DQ_CONFIGS, "dkdv": tb._DKDV_CONFIGS}[kernel]
+    return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in table]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100/H200)")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
+    p.add_argument("--all-configs", action="store_true", help="every autotune config, not only the pinned one")
+    p.add_argument("--check", action="store_true", help="exit 1 if an SA loop pipelines less than SWA, or spills")
+    args = p.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU target; nothing is launched
+    import kernels.triton_band as tb
+
+    split = getattr(tb, "_SPLIT", False)
+    problems = []
+    print(f"sm_{args.arch}, bf16, head dim {args.head_dim}, split={split}; tiles in flight per loop "
+          "(async copies left outstanding / copies per step)")
+    print("| kernel | tile (M x N) | warps | stages | variant | registers | spill bytes | shared KiB "
+          "| tiles in flight | blocking loads per step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for kernel in args.kernels:
+        for bm, bn, warps, stages in _configs(kernel, args.all_configs, args.head_dim):
+            swa, sa = (compile_kernel(kernel, bm, bn, warps, stages, has_perm, split, args.head_dim, args.arch)
+                       for has_perm in (False, True))
+            for name, c in (("SWA", swa), ("SA", sa)):
+                flight = " / ".join(f"{loop.tiles_in_flight:g}" for loop in c.loops) or "-"
+                loads = " / ".join(str(loop.sync_loads) for loop in c.loops) or "-"
+                print(f"| {kernel} | {bm} x {bn} | {warps} | {stages} | {name} | {c.registers} | {c.spill_bytes} "
+                      f"| {c.shared_bytes / 1024:.0f} | {flight} | {loads} |")
+                if c.spill_bytes:
+                    problems.append(f"{kernel} {bm}x{bn} w{warps} s{stages} {name}: spills {c.spill_bytes} bytes")
+            depth = lambda c: min((loop.tiles_in_flight for loop in c.loops), default=0.0)  # noqa: E731
+            if depth(sa) < depth(swa):
+                problems.append(f"{kernel} {bm}x{bn} w{warps} s{stages}: SA keeps {depth(sa):g} tiles in flight, "
+                                f"SWA {depth(swa):g}")
+    for line in problems:
+        print("problem:", line)
+    return 1 if args.check and problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
