@@ -113,17 +113,24 @@ def _visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE: tl.constexpr):
 
 
 @triton.jit
+def _key_tile(PERM, perm_off, start_n, pos_next, n, d_valid, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr):
+    """Slots, original positions and [BLOCK_N, BLOCK_D] load mask of the key tile at start_n, and the next tile's
+    positions: pi's entries arrive one tile ahead (see _pos_tile); `pos_next` holds this tile's."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    pos_n = offs_n
+    if HAS_PERM:
+        pos_n = pos_next
+        pos_next = _pos_tile(PERM, perm_off, start_n + BLOCK_N, n, BLOCK_N, HAS_PERM)
+    return offs_n, pos_n, pos_next, (offs_n < n)[:, None] & d_valid[None, :]
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
                skn, svn, n, left, right, qk_scale, lo, hi,
                EDGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
     pos_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n < n)[:, None] & d_valid[None, :]
-        pos_n = offs_n
-        if HAS_PERM:  # pi one tile ahead: see _pos_tile
-            pos_n = pos_next
-            pos_next = _pos_tile(PERM, perm_off, start_n + BLOCK_N, n, BLOCK_N, HAS_PERM)
+        offs_n, pos_n, pos_next, kv_mask = _key_tile(PERM, perm_off, start_n, pos_next, n, d_valid, BLOCK_N, HAS_PERM)
         k = tl.load(_rows_at(k_base, pos_n, skn, offs_d), mask=kv_mask, other=0.0)
         qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
         if EDGE or HAS_PERM:  # an interior tile without pi is causal: the wrapper sets right = 0 when perm is None
@@ -272,12 +279,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos
               EDGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
     pos_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n < n)[:, None] & d_valid[None, :]
-        pos_n = offs_n
-        if HAS_PERM:  # pi one tile ahead: see _pos_tile
-            pos_n = pos_next
-            pos_next = _pos_tile(PERM, perm_off, start_n + BLOCK_N, n, BLOCK_N, HAS_PERM)
+        offs_n, pos_n, pos_next, kv_mask = _key_tile(PERM, perm_off, start_n, pos_next, n, d_valid, BLOCK_N, HAS_PERM)
         k = tl.load(_rows_at(k_base, pos_n, skn, offs_d), mask=kv_mask, other=0.0)
         v = tl.load(_rows_at(v_base, pos_n, svn, offs_d), mask=kv_mask, other=0.0)
         p = tl.math.exp2(_mm(q, tl.trans(k), UPCAST) * qk_scale - lse[:, None])
