@@ -7,9 +7,10 @@ each kernel, SWA (rows in order) and SA (rows gathered through pi) side by side,
 autotune config (`--all-configs`). Per loop it reports the tiles in flight: how many tiles' async copies the loop
 leaves outstanding while it computes the current one (the `num` of the `ttg.async_wait` at the top of the loop
 divided by the copies it issues per step). 0 means each step waits for the loads it just issued and pays their
-whole latency; flash-attention style loops keep >= 1. `--check` exits 1 when an SA loop keeps fewer tiles in
-flight than the same SWA loop, or when a kernel spills registers (tests/test_bench.py runs it). It says nothing of
-speed by itself: bench/attention.py on a GPU measures that.
+whole latency; flash-attention style loops keep >= 1. It also counts the SASS instructions of each loop's step, a
+proxy for issue time when the loads are hidden. `--check` exits 1 when an SA loop keeps fewer tiles in flight than
+the same SWA loop, when SA's steps for a band (w=256) take over 1.25x SWA's instructions, or when a kernel spills
+registers (tests/test_bench.py runs it). None of it is speed: bench/attention.py on a GPU measures that.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 
 KERNELS = {"fwd": "_fwd_kernel", "dq": "_dq_kernel", "dkdv": "_dkdv_kernel"}
 FP32_POINTERS = ("LSE", "DELTA")
+# SA's extra work per step: pi's causal compare on every tile, the mask's pi tile, the gathers' row addresses
+MAX_SA_INSTRUCTIONS = 1.25
 
 
 @dataclass
@@ -42,6 +45,14 @@ class Compiled:
     spill_bytes: int
     shared_bytes: int
     loops: list[Loop]
+    step_instructions: list[int]  # SASS instructions in each innermost loop's body, in program order
+
+    @property
+    def per_band_tile(self) -> int:
+        """SASS instructions of the tile steps of one query (or key) tile at w=256 with 64-slot tiles: five tiles,
+        one edge tile on each side and three interior ones when the loops are split (edge / interior / edge)."""
+        s = self.step_instructions
+        return s[0] + 3 * s[1] + s[2] if len(s) == 3 else 5 * sum(s)
 
 
 def pipelined_loops(ttgir: str) -> list[Loop]:
@@ -66,6 +77,23 @@ def pipelined_loops(ttgir: str) -> list[Loop]:
     for loop in loops:
         loop.wait_num = max(loop.wait_num, 0)
     return loops
+
+
+def sass_loop_sizes(sass: str) -> list[int]:
+    """Instruction count of each innermost loop in a cuobjdump -sass listing (loop: a branch to an earlier address)."""
+    addrs = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            addrs.append((int(m.group(1), 16), m.group(2)))
+    index = {a: i for i, (a, _) in enumerate(addrs)}
+    loops = []
+    for i, (a, text) in enumerate(addrs):
+        m = re.search(r"BRA 0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in index:
+            loops.append((index[int(m.group(1), 16)], i))
+    inner = [(lo, hi) for lo, hi in loops if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
+    return [hi - lo + 1 for lo, hi in sorted(inner)]
 
 
 def _signature(jit, constexprs: dict, dtype: str):
@@ -100,11 +128,13 @@ def compile_kernel(kernel: str, block_m: int, block_n: int, num_warps: int, num_
     sig, attrs = _signature(jit, constexprs, dtype)
     binary = triton.compile(ASTSource(jit, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
-    return Compiled(*_resources(binary.asm["cubin"]), binary.metadata.shared, pipelined_loops(binary.asm["ttgir"]))
+    usage, sass = _cuobjdump(binary.asm["cubin"], "--dump-resource-usage", "-sass")
+    return Compiled(int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+                    binary.metadata.shared, pipelined_loops(binary.asm["ttgir"]), sass_loop_sizes(sass))
 
 
-def _resources(cubin: bytes) -> tuple[int, int]:
-    """(registers per thread, local-memory bytes per thread, i.e. spills) from cuobjdump, shipped with Triton."""
+def _cuobjdump(cubin: bytes, *flags: str) -> list[str]:
+    """cuobjdump's output per flag (registers and local memory, i.e. spills; SASS), with the one Triton ships."""
     import tempfile
 
     import triton
@@ -113,9 +143,8 @@ def _resources(cubin: bytes) -> tuple[int, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"LOCAL:(\d+)", usage).group(1))
+        return [subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+                for flag in flags]
 
 
 def _configs(kernel: str, all_configs: bool, head_dim: int) -> list[tuple[int, int, int, int]]:
@@ -144,8 +173,8 @@ def main(argv=None) -> int:
     print(f"sm_{args.arch}, bf16, head dim {args.head_dim}, split={split}; tiles in flight per loop "
           "(async copies left outstanding / copies per step)")
     print("| kernel | tile (M x N) | warps | stages | variant | registers | spill bytes | shared KiB "
-          "| tiles in flight | blocking loads per step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| tiles in flight | blocking loads per step | SASS instructions per step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for kernel in args.kernels:
         for bm, bn, warps, stages in _configs(kernel, args.all_configs, args.head_dim):
             swa, sa = (compile_kernel(kernel, bm, bn, warps, stages, has_perm, split, args.head_dim, args.arch)
@@ -153,14 +182,19 @@ def main(argv=None) -> int:
             for name, c in (("SWA", swa), ("SA", sa)):
                 flight = " / ".join(f"{loop.tiles_in_flight:g}" for loop in c.loops) or "-"
                 loads = " / ".join(str(loop.sync_loads) for loop in c.loops) or "-"
+                steps = " / ".join(map(str, c.step_instructions)) or "-"
+                steps += f" ({c.per_band_tile} per band)" if c.step_instructions else ""
                 print(f"| {kernel} | {bm} x {bn} | {warps} | {stages} | {name} | {c.registers} | {c.spill_bytes} "
-                      f"| {c.shared_bytes / 1024:.0f} | {flight} | {loads} |")
+                      f"| {c.shared_bytes / 1024:.0f} | {flight} | {loads} | {steps} |")
                 if c.spill_bytes:
                     problems.append(f"{kernel} {bm}x{bn} w{warps} s{stages} {name}: spills {c.spill_bytes} bytes")
             depth = lambda c: min((loop.tiles_in_flight for loop in c.loops), default=0.0)  # noqa: E731
             if depth(sa) < depth(swa):
                 problems.append(f"{kernel} {bm}x{bn} w{warps} s{stages}: SA keeps {depth(sa):g} tiles in flight, "
                                 f"SWA {depth(swa):g}")
+            if swa.step_instructions and sa.per_band_tile > MAX_SA_INSTRUCTIONS * swa.per_band_tile:
+                problems.append(f"{kernel} {bm}x{bn} w{warps} s{stages}: SA's steps over a band take "
+                                f"{sa.per_band_tile} instructions, SWA's {swa.per_band_tile}")
     for line in problems:
         print("problem:", line)
     return 1 if args.check and problems else 0

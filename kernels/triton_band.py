@@ -15,8 +15,9 @@ Kernels (all fp32 accumulation, flash-attention online softmax, base-2 exponenti
                   and also writes delta = rowsum(dO * O) per query row for the dk/dv kernel (no separate launch).
 Each tile loop is split in three (_tile_ranges): the tiles crossing a band edge take the full mask; those inside
 every row's band (3 of 5 at w=256 with 64-slot tiles) compare only pi's original positions (int32), and without
-pi they take no mask at all, as in flash attention's unmasked off-diagonal blocks. Every loop loads pi's entries
-one tile ahead (_pos_tile), so the gathered tiles pipeline as deep as contiguous ones.
+pi they take no mask at all, as in flash attention's unmasked off-diagonal blocks. The loops load pi's entries
+for a gather one tile ahead and those for the mask in their own step (_loop_tile), so gathered tiles pipeline as
+deep as contiguous ones.
 
 Block sizes are autotuned on CUDA (key: n and left+right+1 rounded up to powers of two, head dim, pi or not, GQA
 group; env SA_TRITON_AUTOTUNE=0 pins one config); under TRITON_INTERPRET=1 (CPU tests) one large-block config is
@@ -56,14 +57,7 @@ def _mm(a, b, UPCAST: tl.constexpr):
 
 @triton.jit
 def _pos_tile(PERM, perm_off, start, n, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr):
-    """Original positions of the storage slots [start, start + BLOCK) (int32: the [M, N] causal compares are 32-bit).
-
-    The tile loops load these one iteration ahead. When a gather's row addresses come from a load in the same
-    iteration, Triton's software pipeliner (3.7, sm_90) issues the next tile's gather at the end of a step and
-    waits for it at the top of the next, so every step paid the gather's whole latency; with pi carried over from
-    the previous iteration, the next tile's k/v (or q/dO) stay in flight while a step computes, as without pi
-    (`python -m bench.kernel_schedule` shows both).
-    """
+    """Original positions of the storage slots [start, start + BLOCK) (int32: the [M, N] causal compares are 32-bit)."""
     offs = start + tl.arange(0, BLOCK)
     if HAS_PERM:
         pos = tl.load(PERM + perm_off + offs, mask=offs < n, other=0).to(tl.int32)
@@ -113,25 +107,35 @@ def _visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE: tl.constexpr):
 
 
 @triton.jit
-def _key_tile(PERM, perm_off, start_n, pos_next, n, d_valid, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr):
-    """Slots, original positions and [BLOCK_N, BLOCK_D] load mask of the key tile at start_n, and the next tile's
-    positions: pi's entries arrive one tile ahead (see _pos_tile); `pos_next` holds this tile's."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    pos_n = offs_n
+def _loop_tile(PERM, perm_off, start, rows_next, n, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr):
+    """One step of a tile loop: (slots, rows to gather, positions for the causal mask, next step's rows_next).
+
+    pi's entries are loaded twice, for what the compiler does with each (sm_90, Triton 3.7; `python -m
+    bench.kernel_schedule` shows it). The rows of a gather come one step ahead, through `rows_next`: when they
+    were loaded in the step that gathers, the software pipeliner issued the next tile's gather at the end of a step
+    and waited for it at the top of the next, paying its whole latency every step (SWA keeps a tile in flight).
+    The mask's copy is loaded in its own step: the pipeliner then stages it through shared memory like k and v,
+    where the carried copy in the MMA layout cost 16 scalar global loads per thread and step.
+    """
+    offs = start + tl.arange(0, BLOCK)
+    rows = offs
+    pos = offs
     if HAS_PERM:
-        pos_n = pos_next
-        pos_next = _pos_tile(PERM, perm_off, start_n + BLOCK_N, n, BLOCK_N, HAS_PERM)
-    return offs_n, pos_n, pos_next, (offs_n < n)[:, None] & d_valid[None, :]
+        rows = rows_next
+        rows_next = _pos_tile(PERM, perm_off, start + BLOCK, n, BLOCK, HAS_PERM)
+        pos = _pos_tile(PERM, perm_off, start, n, BLOCK, HAS_PERM)
+    return offs, rows, pos, rows_next
 
 
 @triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
                skn, svn, n, left, right, qk_scale, lo, hi,
                EDGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
-    pos_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM)
+    rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n, pos_n, pos_next, kv_mask = _key_tile(PERM, perm_off, start_n, pos_next, n, d_valid, BLOCK_N, HAS_PERM)
-        k = tl.load(_rows_at(k_base, pos_n, skn, offs_d), mask=kv_mask, other=0.0)
+        offs_n, rows_n, pos_n, rows_next = _loop_tile(PERM, perm_off, start_n, rows_next, n, BLOCK_N, HAS_PERM)
+        kv_mask = (offs_n < n)[:, None] & d_valid[None, :]
+        k = tl.load(_rows_at(k_base, rows_n, skn, offs_d), mask=kv_mask, other=0.0)
         qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
         if EDGE or HAS_PERM:  # an interior tile without pi is causal: the wrapper sets right = 0 when perm is None
             qk = tl.where(_visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE), qk, float("-inf"))
@@ -140,7 +144,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, 
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(_rows_at(v_base, pos_n, svn, offs_d), mask=kv_mask, other=0.0)
+        v = tl.load(_rows_at(v_base, rows_n, svn, offs_d), mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
@@ -196,19 +200,15 @@ def _fwd_kernel(
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n, n_valid,
                 offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, lo, hi,
                 EDGE: tl.constexpr, BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
-    pos_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_M, HAS_PERM)
+    rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_M, HAS_PERM)
     for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_m, rows_m, pos_m, rows_next = _loop_tile(PERM, perm_off, start_m, rows_next, n, BLOCK_M, HAS_PERM)
         m_valid = offs_m < n
-        pos_m = offs_m
-        if HAS_PERM:  # pi one tile ahead: see _pos_tile
-            pos_m = pos_next
-            pos_next = _pos_tile(PERM, perm_off, start_m + BLOCK_M, n, BLOCK_M, HAS_PERM)
         row_mask = m_valid[:, None] & d_valid[None, :]
-        q = tl.load(_rows_at(q_base, pos_m, sqn, offs_d), mask=row_mask, other=0.0)
-        do = tl.load(_rows_at(do_base, pos_m, sdn, offs_d), mask=row_mask, other=0.0)
-        lse = tl.load(lse_base + pos_m, mask=m_valid, other=0.0)
-        delta = tl.load(delta_base + pos_m, mask=m_valid, other=0.0)
+        q = tl.load(_rows_at(q_base, rows_m, sqn, offs_d), mask=row_mask, other=0.0)
+        do = tl.load(_rows_at(do_base, rows_m, sdn, offs_d), mask=row_mask, other=0.0)
+        lse = tl.load(lse_base + rows_m, mask=m_valid, other=0.0)
+        delta = tl.load(delta_base + rows_m, mask=m_valid, other=0.0)
         pT = tl.math.exp2(_mm(k, tl.trans(q), UPCAST) * qk_scale - lse[None, :])  # [BLOCK_N, BLOCK_M]
         if EDGE or HAS_PERM:
             # the transposed _visible: rows are keys, columns queries
@@ -277,11 +277,12 @@ def _dkdv_kernel(
 def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
               skn, svn, n, left, right, qk_scale, lo, hi,
               EDGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
-    pos_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM)
+    rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n, pos_n, pos_next, kv_mask = _key_tile(PERM, perm_off, start_n, pos_next, n, d_valid, BLOCK_N, HAS_PERM)
-        k = tl.load(_rows_at(k_base, pos_n, skn, offs_d), mask=kv_mask, other=0.0)
-        v = tl.load(_rows_at(v_base, pos_n, svn, offs_d), mask=kv_mask, other=0.0)
+        offs_n, rows_n, pos_n, rows_next = _loop_tile(PERM, perm_off, start_n, rows_next, n, BLOCK_N, HAS_PERM)
+        kv_mask = (offs_n < n)[:, None] & d_valid[None, :]
+        k = tl.load(_rows_at(k_base, rows_n, skn, offs_d), mask=kv_mask, other=0.0)
+        v = tl.load(_rows_at(v_base, rows_n, svn, offs_d), mask=kv_mask, other=0.0)
         p = tl.math.exp2(_mm(q, tl.trans(k), UPCAST) * qk_scale - lse[:, None])
         if EDGE or HAS_PERM:
             p = tl.where(_visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE), p, 0.0)
