@@ -25,7 +25,7 @@ SA_TRITON_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-80}" $PY -m pytest -q -m "not slow
 echo "pytest exit code $?"; grep -E "passed|failed|Error|FAILED" "$OUT/tests.log" | tail -15
 
 echo "== 1b. what this Triton version's compiler makes of the kernels (pipeline depth, registers; no launch)"
-timeout 20 $PY -m bench.kernel_schedule 2>&1 | tee "$OUT/kernel_schedule.log"
+timeout 30 $PY -m bench.kernel_schedule 2>&1 | tee "$OUT/kernel_schedule.log"
 
 # A kernel change measured side by side: BASELINE names a folder holding an earlier kernels/ (this tree's bench
 # code times it), e.g.  mkdir .baseline && git archive <commit> kernels | tar -x -C .baseline  (carry .baseline).

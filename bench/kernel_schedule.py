@@ -6,7 +6,7 @@ Triton compiles for a CUDA target without a GPU (its wheel ships ptxas), so this
 each kernel, SWA (rows in order) and SA (rows gathered through pi) side by side, for the pinned config or every
 autotune config (`--all-configs`). Per loop it reports the tiles in flight: how many tiles' async copies the loop
 leaves outstanding while it computes the current one (the `num` of the `ttg.async_wait` at the top of the loop
-divided by the copies it issues per step). 0 means each step waits for the loads it just issued and pays their
+divided by the async-copy groups it commits per step). 0 means each step waits for the loads it just issued and pays their
 whole latency; flash-attention style loops keep >= 1. It also counts the SASS instructions of each loop's step, a
 proxy for issue time when the loads are hidden. `--check` exits 1 when an SA loop keeps fewer tiles in flight than
 the same SWA loop, when SA's steps over a band (w=256, 64-slot tiles) take over 1.3x SWA's instructions, or when a
@@ -30,13 +30,14 @@ MAX_SA_INSTRUCTIONS = 1.3
 
 @dataclass
 class Loop:
-    copies: int  # async copies issued per step
-    wait_num: int  # copies the step-top wait leaves outstanding
-    sync_loads: int  # plain (blocking) loads per step
+    groups: int = 0  # async-copy commit groups issued per step (what ttg.async_wait counts)
+    wait_num: int = -1  # commit groups the first wait of a step leaves outstanding
+    sync_loads: int = 0  # plain (blocking) loads per step
+    innermost: bool = True
 
     @property
     def tiles_in_flight(self) -> float:
-        return self.wait_num / self.copies if self.copies else 0.0
+        return max(self.wait_num, 0) / self.groups if self.groups else 0.0
 
 
 @dataclass
@@ -56,28 +57,29 @@ class Compiled:
         return s[0] + 3 * s[1] + s[2] if len(s) == 3 else 5 * s[0]
 
 
-def pipelined_loops(ttgir: str) -> list[Loop]:
-    """The scf.for loops of a TTGIR module that issue async copies (the tile loops), in program order."""
-    loops, stack = [], []
+def tile_loops(ttgir: str) -> list[Loop]:
+    """The innermost scf.for loops of a TTGIR module (the tile loops), in program order, pipelined or not."""
+    done, open_loops, depth = [], [], 0
     for line in ttgir.splitlines():
         s = line.strip()
         if "scf.for" in s:
-            stack.append(Loop(0, -1, 0))
-        elif not stack:
-            continue
-        elif s.startswith("scf.yield"):
-            loop = stack.pop()
-            if loop.copies:
-                loops.append(loop)
-        elif "ttg.async_wait" in s and stack[-1].wait_num < 0:
-            stack[-1].wait_num = int(re.search(r"num = (\d+)", s).group(1))
-        elif "ttg.async_copy_global_to_local" in s:
-            stack[-1].copies += 1
-        elif re.search(r"= tt\.load ", s):
-            stack[-1].sync_loads += 1
-    for loop in loops:
-        loop.wait_num = max(loop.wait_num, 0)
-    return loops
+            if open_loops:
+                open_loops[-1][0].innermost = False
+            open_loops.append((Loop(), depth))
+        elif open_loops:
+            loop = open_loops[-1][0]
+            if "ttg.async_wait" in s and loop.wait_num < 0:
+                loop.wait_num = int(re.search(r"num = (\d+)", s).group(1))
+            elif "ttg.async_commit_group" in s:
+                loop.groups += 1
+            elif re.search(r"= tt\.load ", s):
+                loop.sync_loads += 1
+        depth += s.count("{") - s.count("}")  # attribute dicts open and close on one line; regions do not
+        while open_loops and depth <= open_loops[-1][1]:
+            loop = open_loops.pop()[0]
+            if loop.innermost:
+                done.append(loop)
+    return done
 
 
 def sass_loop_sizes(sass: str) -> list[int]:
@@ -131,7 +133,7 @@ def compile_kernel(kernel: str, block_m: int, block_n: int, num_warps: int, num_
                             options=dict(num_warps=num_warps, num_stages=num_stages))
     usage, sass = _cuobjdump(binary.asm["cubin"], "--dump-resource-usage", "-sass")
     return Compiled(int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"LOCAL:(\d+)", usage).group(1)),
-                    binary.metadata.shared, pipelined_loops(binary.asm["ttgir"]), sass_loop_sizes(sass))
+                    binary.metadata.shared, tile_loops(binary.asm["ttgir"]), sass_loop_sizes(sass))
 
 
 def _cuobjdump(cubin: bytes, *flags: str) -> list[str]:
@@ -172,7 +174,7 @@ def main(argv=None) -> int:
     split = getattr(tb, "_SPLIT", False)
     problems = []
     print(f"sm_{args.arch}, bf16, head dim {args.head_dim}, split={split}; tiles in flight per loop "
-          "(async copies left outstanding / copies per step)")
+          "(copy groups left outstanding / groups per step)")
     print("| kernel | tile (M x N) | warps | stages | variant | registers | spill bytes | shared KiB "
           "| tiles in flight | blocking loads per step | SASS instructions per step |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -194,8 +196,13 @@ def main(argv=None) -> int:
             if depth(sa) < depth(swa):
                 problems.append(f"{kernel} {bm}x{bn} w{warps} s{stages}: SA keeps {depth(sa):g} tiles in flight, "
                                 f"SWA {depth(swa):g}")
+            if len(sa.loops) != len(swa.loops) or len(sa.step_instructions) != len(sa.loops):
+                problems.append(f"{kernel} {bm}x{bn} w{warps} s{stages}: loops differ (TTGIR SA {len(sa.loops)}, "
+                                f"SWA {len(swa.loops)}; SASS SA {len(sa.step_instructions)})")
             sa_band, swa_band = sa.per_band(bm, bn), swa.per_band(bm, bn)
-            if sa_band and swa_band and sa_band > MAX_SA_INSTRUCTIONS * swa_band:
+            if (bm, bn) == (64, 64) and not (sa_band and swa_band):
+                problems.append(f"{kernel} 64x64 w{warps} s{stages}: unexpected loop structure in the SASS")
+            elif sa_band and swa_band and sa_band > MAX_SA_INSTRUCTIONS * swa_band:
                 problems.append(f"{kernel} {bm}x{bn} w{warps} s{stages}: SA's steps over a band take {sa_band} "
                                 f"instructions, SWA's {swa_band}")
     for line in problems:
