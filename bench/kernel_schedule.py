@@ -6,11 +6,12 @@ Triton compiles for a CUDA target without a GPU (its wheel ships ptxas), so this
 each kernel, SWA (rows in order) and SA (rows gathered through pi) side by side, for the pinned config or every
 autotune config (`--all-configs`). Per loop it reports the tiles in flight: how many tiles' async copies the loop
 leaves outstanding while it computes the current one (the `num` of the `ttg.async_wait` at the top of the loop
-divided by the async-copy groups it commits per step). 0 means each step waits for the loads it just issued and pays their
-whole latency; flash-attention style loops keep >= 1. It also counts the SASS instructions of each loop's step, a
-proxy for issue time when the loads are hidden. `--check` exits 1 when an SA loop keeps fewer tiles in flight than
-the same SWA loop, when SA's steps over a band (w=256, 64-slot tiles) take over 1.3x SWA's instructions, or when a
-kernel spills registers (tests/test_bench.py runs it). None of it is speed: bench/attention.py on a GPU measures it.
+divided by the async-copy groups it commits per step). 0 means each step waits for the loads it just issued and
+pays their whole latency; flash-attention style loops keep >= 1. It also counts the SASS instructions of each
+loop's step, a proxy for issue time when the loads are hidden. `--check` exits 1 when an SA loop keeps fewer tiles
+in flight than the same SWA loop, when SA's steps over a band (w=256, 64-slot tiles) take over 1.45x SWA's
+instructions, or when a kernel spills registers (tests/test_bench.py runs it). None of it is speed:
+bench/attention.py on a GPU measures that.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 KERNELS = {"fwd": "_fwd_kernel", "dq": "_dq_kernel", "dkdv": "_dkdv_kernel"}
 FP32_POINTERS = ("LSE", "DELTA")
 # SA's extra work per step: pi's causal compare on every tile, the mask's pi tile, the gathers' row addresses
-MAX_SA_INSTRUCTIONS = 1.3
+MAX_SA_INSTRUCTIONS = 1.45
 
 
 @dataclass

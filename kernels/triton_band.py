@@ -73,6 +73,14 @@ def _rows_at(base, pos, stride, offs_d):
 
 
 @triton.jit
+def _tile_rows(base, rows, stride, offs_d, step_ptrs, HAS_PERM: tl.constexpr):
+    """This step's row pointers: gathered at `rows` through pi, else `step_ptrs`, the contiguous tile (_loop_tile)."""
+    if HAS_PERM:
+        return _rows_at(base, rows, stride, offs_d)
+    return step_ptrs
+
+
+@triton.jit
 def _tile_ranges(start, SIZE: tl.constexpr, STEP: tl.constexpr, before, after, n, SPLIT: tl.constexpr):
     """Tiles of STEP slots that meet the bands [i - before, i + after] of the rows i in [start, start + SIZE).
 
@@ -116,6 +124,9 @@ def _loop_tile(PERM, perm_off, start, rows_next, n, BLOCK: tl.constexpr, HAS_PER
     and waited for it at the top of the next, paying its whole latency every step (SWA keeps a tile in flight).
     The mask's copy is loaded in its own step: the pipeliner then stages it through shared memory like k and v,
     where the carried copy in the MMA layout cost 16 scalar global loads per thread and step.
+    Without pi the loops advance their row pointers a tile per step instead of computing them from the loop index:
+    a 64-bit row offset of the index made LLVM widen the index, and with it the band compares of the edge steps,
+    to 64 bits (SWA forward: 917 instructions for the first edge step, 589 with advanced pointers).
     """
     offs = start + tl.arange(0, BLOCK)
     rows = offs
@@ -132,10 +143,12 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, 
                skn, svn, n, left, right, qk_scale, lo, hi,
                EDGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
     rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM)
+    k_step = _rows_at(k_base, lo + tl.arange(0, BLOCK_N), skn, offs_d)  # without pi: advanced per step
+    v_step = _rows_at(v_base, lo + tl.arange(0, BLOCK_N), svn, offs_d)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n, rows_n, pos_n, rows_next = _loop_tile(PERM, perm_off, start_n, rows_next, n, BLOCK_N, HAS_PERM)
         kv_mask = (offs_n < n)[:, None] & d_valid[None, :]
-        k = tl.load(_rows_at(k_base, rows_n, skn, offs_d), mask=kv_mask, other=0.0)
+        k = tl.load(_tile_rows(k_base, rows_n, skn, offs_d, k_step, HAS_PERM), mask=kv_mask, other=0.0)
         qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
         if EDGE or HAS_PERM:  # an interior tile without pi is causal: the wrapper sets right = 0 when perm is None
             qk = tl.where(_visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE), qk, float("-inf"))
@@ -144,9 +157,12 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, 
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(_rows_at(v_base, rows_n, svn, offs_d), mask=kv_mask, other=0.0)
+        v = tl.load(_tile_rows(v_base, rows_n, svn, offs_d, v_step, HAS_PERM), mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
         m_i = m_new
+        if not HAS_PERM:
+            k_step += BLOCK_N * skn
+            v_step += BLOCK_N * svn
     return acc, l_i, m_i
 
 
@@ -201,14 +217,17 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_
                 offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, lo, hi,
                 EDGE: tl.constexpr, BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
     rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_M, HAS_PERM)
+    first = lo + tl.arange(0, BLOCK_M)  # without pi: pointers advanced per step
+    q_step, do_step = _rows_at(q_base, first, sqn, offs_d), _rows_at(do_base, first, sdn, offs_d)
+    lse_step, delta_step = lse_base + first, delta_base + first
     for start_m in range(lo, hi, BLOCK_M):
         offs_m, rows_m, pos_m, rows_next = _loop_tile(PERM, perm_off, start_m, rows_next, n, BLOCK_M, HAS_PERM)
         m_valid = offs_m < n
         row_mask = m_valid[:, None] & d_valid[None, :]
-        q = tl.load(_rows_at(q_base, rows_m, sqn, offs_d), mask=row_mask, other=0.0)
-        do = tl.load(_rows_at(do_base, rows_m, sdn, offs_d), mask=row_mask, other=0.0)
-        lse = tl.load(lse_base + rows_m, mask=m_valid, other=0.0)
-        delta = tl.load(delta_base + rows_m, mask=m_valid, other=0.0)
+        q = tl.load(_tile_rows(q_base, rows_m, sqn, offs_d, q_step, HAS_PERM), mask=row_mask, other=0.0)
+        do = tl.load(_tile_rows(do_base, rows_m, sdn, offs_d, do_step, HAS_PERM), mask=row_mask, other=0.0)
+        lse = tl.load(lse_base + rows_m if HAS_PERM else lse_step, mask=m_valid, other=0.0)
+        delta = tl.load(delta_base + rows_m if HAS_PERM else delta_step, mask=m_valid, other=0.0)
         pT = tl.math.exp2(_mm(k, tl.trans(q), UPCAST) * qk_scale - lse[None, :])  # [BLOCK_N, BLOCK_M]
         if EDGE or HAS_PERM:
             # the transposed _visible: rows are keys, columns queries
@@ -220,6 +239,11 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_
         dv += _mm(pT.to(do.dtype), do, UPCAST)
         dsT = pT * (_mm(v, tl.trans(do), UPCAST) - delta[None, :])
         dk += _mm(dsT.to(q.dtype), q, UPCAST)
+        if not HAS_PERM:
+            q_step += BLOCK_M * sqn
+            do_step += BLOCK_M * sdn
+            lse_step += BLOCK_M
+            delta_step += BLOCK_M
     return dk, dv
 
 
@@ -278,16 +302,21 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos
               skn, svn, n, left, right, qk_scale, lo, hi,
               EDGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
     rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM)
+    k_step = _rows_at(k_base, lo + tl.arange(0, BLOCK_N), skn, offs_d)  # without pi: advanced per step
+    v_step = _rows_at(v_base, lo + tl.arange(0, BLOCK_N), svn, offs_d)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n, rows_n, pos_n, rows_next = _loop_tile(PERM, perm_off, start_n, rows_next, n, BLOCK_N, HAS_PERM)
         kv_mask = (offs_n < n)[:, None] & d_valid[None, :]
-        k = tl.load(_rows_at(k_base, rows_n, skn, offs_d), mask=kv_mask, other=0.0)
-        v = tl.load(_rows_at(v_base, rows_n, svn, offs_d), mask=kv_mask, other=0.0)
+        k = tl.load(_tile_rows(k_base, rows_n, skn, offs_d, k_step, HAS_PERM), mask=kv_mask, other=0.0)
+        v = tl.load(_tile_rows(v_base, rows_n, svn, offs_d, v_step, HAS_PERM), mask=kv_mask, other=0.0)
         p = tl.math.exp2(_mm(q, tl.trans(k), UPCAST) * qk_scale - lse[:, None])
         if EDGE or HAS_PERM:
             p = tl.where(_visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE), p, 0.0)
         ds = p * (_mm(do, tl.trans(v), UPCAST) - delta[:, None])
         dq += _mm(ds.to(k.dtype), k, UPCAST)
+        if not HAS_PERM:
+            k_step += BLOCK_N * skn
+            v_step += BLOCK_N * svn
     return dq
 
 
