@@ -126,7 +126,7 @@ def _loop_tile(PERM, perm_off, start, rows_next, n, BLOCK: tl.constexpr, HAS_PER
     where the carried copy in the MMA layout cost 16 scalar global loads per thread and step.
     Without pi the loops advance their row pointers a tile per step instead of computing them from the loop index:
     a 64-bit row offset of the index made LLVM widen the index, and with it the band compares of the edge steps,
-    to 64 bits (SWA forward: 917 instructions for the first edge step, 589 with advanced pointers).
+    to 64 bits (SWA forward: 917 instructions for the first edge step, 615 with advanced pointers).
     """
     offs = start + tl.arange(0, BLOCK)
     rows = offs
