@@ -28,7 +28,7 @@ echo "== 1b. what this Triton version's compiler makes of the kernels (pipeline 
 timeout 30 $PY -m bench.kernel_schedule 2>&1 | tee "$OUT/kernel_schedule.log"
 
 # A kernel change measured side by side: BASELINE names a folder holding an earlier kernels/ (this tree's bench
-# code times it), e.g.  mkdir .baseline && git archive <commit> kernels | tar -x -C .baseline  (carry .baseline).
+# code times it), e.g.  rm -rf .baseline && mkdir .baseline && git archive <commit> kernels | tar -x -C .baseline  (carry .baseline).
 # Both sides run at one pinned config, so each compiles a few kernels and no autotuning choice differs.
 if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kernels" ]; then
     echo "== 2. A/B at the pinned config (64x64 tiles): $BASELINE/kernels, then kernels/; n=8192 and 32768"
