@@ -2,7 +2,7 @@
 # Everything GPU-side in one call (a GPU lease is short): kernel tests on the GPU, the attention benchmark (the
 # issue's B=1 H=16 shape, then the paper-like batch of 8), and whole-model training throughput. From the repo root:
 #     OUT=bench/results/gpu_session bash bench/gpu_session.sh
-# With a baseline for the A/B stage (~9.5 min in all; on a lent machine whose $OUT comes back):
+# With a baseline for the A/B stage (~9.75 min in all; on a lent machine whose $OUT comes back):
 #     D=$OUT; OUT=/tmp/gs PACK=$D/gpu_session.tgz BASELINE=.baseline bash bench/gpu_session.sh 2>&1 | tee $D/stdout.log
 # Each stage has its own time limit, so a slow stage cannot starve the later ones. Logs and CSVs go to $OUT and,
 # after every stage, into one archive $OUT.tgz (a lease returns few files; a run stopped mid-way keeps what it had).
@@ -28,7 +28,8 @@ echo "== 1b. what this Triton version's compiler makes of the kernels (pipeline 
 timeout 30 $PY -m bench.kernel_schedule 2>&1 | tee "$OUT/kernel_schedule.log"
 
 # A kernel change measured side by side: BASELINE names a folder holding an earlier kernels/ (this tree's bench
-# code times it), e.g.  rm -rf .baseline && mkdir .baseline && git archive <commit> kernels | tar -x -C .baseline  (carry .baseline).
+# code times it), e.g.  rm -rf .baseline && mkdir .baseline && git archive <commit> kernels | tar -x -C .baseline
+# (and carry .baseline)
 # Both sides run at one pinned config, so each compiles a few kernels and no autotuning choice differs.
 if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kernels" ]; then
     echo "== 2. A/B at the pinned config (64x64 tiles): $BASELINE/kernels, then kernels/; n=8192 and 32768"

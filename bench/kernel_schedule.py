@@ -137,13 +137,23 @@ def compile_kernel(kernel: str, block_m: int, block_n: int, num_warps: int, num_
                     binary.metadata.shared, tile_loops(binary.asm["ttgir"]), sass_loop_sizes(sass))
 
 
+def cuobjdump_path() -> str | None:
+    """The cuobjdump that Triton's CUDA backend ships (with ptxas), or None without Triton or that backend."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return tool if os.path.exists(tool) else None
+
+
 def _cuobjdump(cubin: bytes, *flags: str) -> list[str]:
     """cuobjdump's output per flag (registers and local memory, i.e. spills; SASS), with the one Triton ships."""
     import tempfile
 
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = cuobjdump_path()
+    if tool is None:
+        raise RuntimeError("bench.kernel_schedule needs Triton's CUDA backend (ptxas, cuobjdump): pip install triton")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

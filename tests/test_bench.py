@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from bench.kernel_schedule import cuobjdump_path
 from conftest import ROOT
 
 
@@ -48,15 +49,7 @@ def test_host_overhead_benchmark(tmp_path):
     assert [line.split(":")[0].strip() for line in proc.stdout.splitlines()] == ["fwd_no_grad", "fwd", "fwd_bwd"]
 
 
-def _cuda_toolchain() -> bool:
-    try:
-        import triton
-    except ImportError:
-        return False
-    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"))
-
-
-@pytest.mark.skipif(not _cuda_toolchain(), reason="needs Triton's CUDA backend (ptxas, cuobjdump)")
+@pytest.mark.skipif(cuobjdump_path() is None, reason="needs Triton's CUDA backend (ptxas, cuobjdump)")
 def test_sa_loops_pipeline_as_deep_as_swa(tmp_path):
     """Compiled for sm_90 on this CPU: every SA tile loop keeps as many tiles in flight as SWA's, and none spills.
     Loading pi in the same step as the gather it addresses kept 0 tiles in flight (each step waited for its loads)."""
