@@ -64,7 +64,7 @@ def correctness_ok(backend: str, device, dtype, heads: int = 16, head_dim: int =
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     cases = []
     for n, w, B, hq, hkv, d in ((300, 37, 2, 4, 2, 64), (2048, 256, 1, heads, heads, head_dim)):
-        perms = [None, torch.stack([torch.randperm(n) for _ in range(B)]).to(device)]
+        perms = [None, torch.stack([torch.randperm(n, dtype=torch.int32) for _ in range(B)]).to(device)]
         # each case twice: the first call may autotune, the second takes the cached-config launch path
         cases += [(n, w, B, hq, hkv, d, perm) for perm in perms + perms]
     for n, w, B, hq, hkv, d, perm in cases:
@@ -89,7 +89,7 @@ def correctness_ok(backend: str, device, dtype, heads: int = 16, head_dim: int =
 
 
 def variants(backend: str, w: int, n: int, device):
-    perm = torch.randperm(n, device=device)
+    perm = torch.randperm(n, device=device, dtype=torch.int32)
 
     def full(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -38,7 +38,7 @@ def main():
 
     tb._launch = lambda *a, **k: None  # measure the wrapper, not the kernels
     q, k, v = (torch.randn(1, 16, args.n, 64, requires_grad=True) for _ in range(3))
-    perm = torch.randperm(args.n)
+    perm = torch.randperm(args.n, dtype=torch.int32)
     grad_out = torch.randn_like(q)
 
     def fwd_no_grad():

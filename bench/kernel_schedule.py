@@ -102,14 +102,15 @@ def sass_loop_sizes(sass: str) -> list[int]:
 
 def _signature(jit, constexprs: dict, dtype: str):
     """Argument types of a launch with contiguous [B, H, n, D] rows and n a multiple of 16 (what the JIT's
-    specialisation sees at the benchmark's shapes): 16-divisible pointers, strides and n."""
+    specialisation sees at the benchmark's shapes): 16-divisible pointers, strides and n; pi in int32, as the
+    model's sampler draws it."""
     sig, attrs = {}, {}
     for i, name in enumerate(jit.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
             continue
         if name.isupper():
-            sig[name] = "*i64" if name == "PERM" else "*fp32" if name in FP32_POINTERS else f"*{dtype}"
+            sig[name] = "*i32" if name == "PERM" else "*fp32" if name in FP32_POINTERS else f"*{dtype}"
         else:
             sig[name] = "fp32" if "scale" in name else "i32"
         if name.isupper() or name == "n" or (name.startswith("s") and name != "spb"):

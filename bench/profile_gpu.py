@@ -27,7 +27,7 @@ def main():
     dev = torch.device("cuda")
     for n in args.n:
         q, k, v = (torch.randn(1, 16, n, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        perm = torch.randperm(n, device=dev)
+        perm = torch.randperm(n, device=dev, dtype=torch.int32)
         do = torch.randn_like(q)
 
         def step():

@@ -13,11 +13,11 @@ Kernels (all fp32 accumulation, flash-attention online softmax, base-2 exponenti
                   group in registers (GQA without expanding K/V and without atomics: deterministic).
   _dq_kernel      grid (cdiv(n, BLOCK_M), Hq, B): one query tile, same key-tile range as the forward; runs first
                   and also writes delta = rowsum(dO * O) per query row for the dk/dv kernel (no separate launch).
-Each tile loop is split in three (_tile_ranges): the tiles crossing a band edge take the full mask; those inside
-every row's band (3 of 5 at w=256 with 64-slot tiles) compare only pi's original positions (int32), and without
-pi they take no mask at all, as in flash attention's unmasked off-diagonal blocks. The loops load pi's entries
-for a gather one tile ahead and those for the mask in their own step (_loop_tile), so gathered tiles pipeline as
-deep as contiguous ones.
+Each tile loop is split in three (_tile_ranges): the first tile range takes the full mask (and, for narrow bands,
+every tile); the last crosses one band edge only and checks only that one; the tiles inside every row's band (3 of
+5 at w=256 with 64-slot tiles) compare only pi's original positions (int32), and without pi they take no mask at
+all, as in flash attention's unmasked off-diagonal blocks. The loops load pi's entries for a gather one tile ahead
+and those for the mask in their own step (_loop_tile), so gathered tiles pipeline as deep as contiguous ones.
 
 Block sizes are autotuned on CUDA (key: n and left+right+1 rounded up to powers of two, head dim, pi or not, GQA
 group; env SA_TRITON_AUTOTUNE=0 pins one config); under TRITON_INTERPRET=1 (CPU tests) one large-block config is
@@ -68,8 +68,13 @@ def _pos_tile(PERM, perm_off, start, n, BLOCK: tl.constexpr, HAS_PERM: tl.conste
 
 @triton.jit
 def _rows_at(base, pos, stride, offs_d):
-    """[len(pos), BLOCK_D] pointers to rows `pos` (64-bit row offsets: pos * stride can pass 2**31)."""
-    return base + pos.to(tl.int64)[:, None] * stride + offs_d[None, :]
+    """[len(pos), BLOCK_D] pointers to rows `pos` (64-bit row offsets: pos * stride can pass 2**31).
+
+    pos and the row stride are non-negative int32, so their product is taken as unsigned 32 x 32 -> 64 bits, one
+    IMAD.WIDE.U32 per row on sm_90; the signed 64-bit product took ~6 instructions per gathered row and kept more
+    registers live (bench/kernel_schedule.py: SA dq 219 -> 174 registers, SA per band -3 to -7%)."""
+    off = pos.to(tl.uint32, bitcast=True).to(tl.uint64) * stride.to(tl.uint32, bitcast=True).to(tl.uint64)
+    return base + off[:, None] + offs_d[None, :]
 
 
 @triton.jit
@@ -84,33 +89,47 @@ def _tile_rows(base, rows, stride, offs_d, step_ptrs, HAS_PERM: tl.constexpr):
 def _tile_ranges(start, SIZE: tl.constexpr, STEP: tl.constexpr, before, after, n, SPLIT: tl.constexpr):
     """Tiles of STEP slots that meet the bands [i - before, i + after] of the rows i in [start, start + SIZE).
 
-    Returns (lo, edge_end, mid_lo, mid_hi, hi): the tiles of [lo, edge_end) and [mid_hi, hi) cross a band's edge
-    (or the end of the sequence) and need the band mask; the tiles of [mid_lo, mid_hi) lie inside every row's
-    band, where only pi's causal order is left to check. Visiting only these tiles is the O(n*w) bound.
+    Returns (lo, mid_lo, mid_hi, hi), visiting only these tiles is the O(n*w) bound:
+    - [lo, mid_lo): tiles that cross the low edge (i - before) of some row's band; the first loop gives them
+      the whole mask (both edges and the end of the sequence), which also covers narrow bands, where one tile can
+      cross both edges: there every tile goes to this loop (mid_lo = mid_hi = hi);
+    - [mid_lo, mid_hi): tiles inside every row's band, where only pi's causal order is left to check;
+    - [mid_hi, hi): tiles that cross only the high edge (i + after) or the end of the sequence.
     SPLIT=False (env SA_TRITON_SPLIT=0, for A/B timing) masks every tile in one loop: three loops are three
     software pipelines to fill, which short bands may not repay.
     """
     lo = (tl.maximum(start - before, 0) // STEP) * STEP
     hi = tl.minimum(start + SIZE + after, n)
     if SPLIT:
-        mid_lo = tl.maximum(start + SIZE - 1 - before, lo)
-        mid_lo = ((mid_lo + STEP - 1) // STEP) * STEP
-        mid_hi = tl.maximum((tl.minimum(start + after + 1, n) // STEP) * STEP, mid_lo)
-        edge_end = tl.minimum(mid_lo, hi)
+        mid_lo = ((tl.maximum(start + SIZE - 1 - before, lo) + STEP - 1) // STEP) * STEP
+        mid_hi = (tl.minimum(start + after + 1, n) // STEP) * STEP
+        narrow = mid_hi < mid_lo
+        mid_lo = tl.where(narrow, hi, tl.minimum(mid_lo, hi))
+        mid_hi = tl.where(narrow, hi, mid_hi)
     else:
-        edge_end = hi
         mid_lo = hi
         mid_hi = hi
-    return lo, edge_end, mid_lo, mid_hi, hi
+    return lo, mid_lo, mid_hi, hi
 
 
 @triton.jit
-def _visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] mask: causal in original order, and (edge tiles only) key slot in the band and < n."""
-    vis = pos_n[None, :] <= pos_m[:, None]
-    if EDGE:
-        vis = (vis & (offs_n[None, :] >= offs_m[:, None] - left) & (offs_n[None, :] <= offs_m[:, None] + right)
-               & (offs_n[None, :] < n))
+def _visible(q_slot, k_slot, q_pos, k_pos, tail_ok, left, right,
+             LEFT: tl.constexpr, RIGHT: tl.constexpr, TAIL: tl.constexpr, HAS_PERM: tl.constexpr):
+    """Mask of (query, key) pairs (2-D broadcastable operands) on tiles that cross a band edge: key slot >= query
+    slot - left (LEFT), key slot <= query slot + right (RIGHT), `tail_ok` (TAIL: the loop's slots < n), and with
+    pi causal in original order. Each loop checks only what its tiles can cross (_tile_ranges): one edge costs
+    two instructions per element less than both. Without pi, right = 0 (the wrapper) makes the right edge the
+    causal diagonal, and the tiles left of it are causal already."""
+    if LEFT:
+        vis = k_slot >= q_slot - left
+        if RIGHT:
+            vis = vis & (k_slot <= q_slot + right)
+    else:
+        vis = k_slot <= q_slot + right
+    if TAIL:
+        vis = vis & tail_ok
+    if HAS_PERM:
+        vis = vis & (k_pos <= q_pos)
     return vis
 
 
@@ -140,8 +159,8 @@ def _loop_tile(PERM, perm_off, start, rows_next, n, BLOCK: tl.constexpr, HAS_PER
 
 @triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
-               skn, svn, n, left, right, qk_scale, lo, hi,
-               EDGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
+               skn, svn, n, left, right, qk_scale, lo, hi, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+               BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
     rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM)
     k_step = _rows_at(k_base, lo + tl.arange(0, BLOCK_N), skn, offs_d)  # without pi: advanced per step
     v_step = _rows_at(v_base, lo + tl.arange(0, BLOCK_N), svn, offs_d)
@@ -150,8 +169,12 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, 
         kv_mask = (offs_n < n)[:, None] & d_valid[None, :]
         k = tl.load(_tile_rows(k_base, rows_n, skn, offs_d, k_step, HAS_PERM), mask=kv_mask, other=0.0)
         qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
-        if EDGE or HAS_PERM:  # an interior tile without pi is causal: the wrapper sets right = 0 when perm is None
-            qk = tl.where(_visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE), qk, float("-inf"))
+        if LEFT or RIGHT:
+            vis = _visible(offs_m[:, None], offs_n[None, :], pos_m[:, None], pos_n[None, :], (offs_n < n)[None, :],
+                           left, right, LEFT, RIGHT, RIGHT, HAS_PERM)
+            qk = tl.where(vis, qk, float("-inf"))
+        elif HAS_PERM:  # an interior tile: only pi's causal order (without pi: unmasked, as in flash attention)
+            qk = tl.where(pos_n[None, :] <= pos_m[:, None], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: avoid inf - inf
         alpha = tl.math.exp2(m_i - m_safe)
@@ -194,16 +217,16 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, edge_end, mid_lo, mid_hi, hi = _tile_ranges(start_m, BLOCK_M, BLOCK_N, left, right, n, SPLIT)
+    lo, mid_lo, mid_hi, hi = _tile_ranges(start_m, BLOCK_M, BLOCK_N, left, right, n, SPLIT)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
-                               skn, svn, n, left, right, qk_scale, lo, edge_end, True, BLOCK_N, HAS_PERM, UPCAST)
+                               skn, svn, n, left, right, qk_scale, lo, mid_lo, True, True, BLOCK_N, HAS_PERM, UPCAST)
     if SPLIT:
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d,
-                                   d_valid, skn, svn, n, left, right, qk_scale, mid_lo, mid_hi, False, BLOCK_N,
-                                   HAS_PERM, UPCAST)
+                                   d_valid, skn, svn, n, left, right, qk_scale, mid_lo, mid_hi, False, False,
+                                   BLOCK_N, HAS_PERM, UPCAST)
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d,
-                                   d_valid, skn, svn, n, left, right, qk_scale, mid_hi, hi, True, BLOCK_N,
-                                   HAS_PERM, UPCAST)
+                                   d_valid, skn, svn, n, left, right, qk_scale, mid_hi, hi, False, True,
+                                   BLOCK_N, HAS_PERM, UPCAST)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only padding rows (slot >= n); real rows always see themselves
     acc = acc / l_safe[:, None]
@@ -213,9 +236,8 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n, n_valid,
-                offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, lo, hi,
-                EDGE: tl.constexpr, BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, lo, hi, LEFT: tl.constexpr,
+                RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
     rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_M, HAS_PERM)
     first = lo + tl.arange(0, BLOCK_M)  # without pi: pointers advanced per step
     q_step, do_step = _rows_at(q_base, first, sqn, offs_d), _rows_at(do_base, first, sdn, offs_d)
@@ -229,13 +251,14 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_
         lse = tl.load(lse_base + rows_m if HAS_PERM else lse_step, mask=m_valid, other=0.0)
         delta = tl.load(delta_base + rows_m if HAS_PERM else delta_step, mask=m_valid, other=0.0)
         pT = tl.math.exp2(_mm(k, tl.trans(q), UPCAST) * qk_scale - lse[None, :])  # [BLOCK_N, BLOCK_M]
-        if EDGE or HAS_PERM:
-            # the transposed _visible: rows are keys, columns queries
-            visT = pos_n[:, None] <= pos_m[None, :]
-            if EDGE:
-                visT = (visT & (offs_n[:, None] >= offs_m[None, :] - left)
-                        & (offs_n[:, None] <= offs_m[None, :] + right) & m_valid[None, :] & n_valid[:, None])
+        if LEFT or RIGHT:
+            # rows are keys, columns queries. Queries past n need no check: their q, dO, lse and delta load as
+            # zeros, so they add nothing to dv = pT @ dO or to dk = (pT * (v @ dO^T - delta)) @ q
+            visT = _visible(offs_m[None, :], offs_n[:, None], pos_m[None, :], pos_n[:, None], None,
+                            left, right, LEFT, RIGHT, False, HAS_PERM)
             pT = tl.where(visT, pT, 0.0)
+        elif HAS_PERM:
+            pT = tl.where(pos_n[:, None] <= pos_m[None, :], pT, 0.0)
         dv += _mm(pT.to(do.dtype), do, UPCAST)
         dsT = pT * (_mm(v, tl.trans(do), UPCAST) - delta[None, :])
         dk += _mm(dsT.to(q.dtype), q, UPCAST)
@@ -273,8 +296,9 @@ def _dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    # the queries i that can see key slot j satisfy j - right <= i <= j + left: the band seen from the key side
-    lo, edge_end, mid_lo, mid_hi, hi = _tile_ranges(start_n, BLOCK_N, BLOCK_M, right, left, n, SPLIT)
+    # the queries i that see key slot j satisfy j - right <= i <= j + left: the low query tiles cross the band's
+    # right edge, the high ones its left edge (and the end of the sequence)
+    lo, mid_lo, mid_hi, hi = _tile_ranges(start_n, BLOCK_N, BLOCK_M, right, left, n, SPLIT)
     for g in range(GROUP):  # the query heads sharing this key/value head: GQA without expanding K/V, no atomics
         h = hk * GROUP + g
         q_base = Q + b * sqb + h * sqh
@@ -282,15 +306,15 @@ def _dkdv_kernel(
         lse_base = LSE + (b * Hq + h) * n
         delta_base = DELTA + (b * Hq + h) * n
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n,
-                             n_valid, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, lo, edge_end,
-                             True, BLOCK_M, HAS_PERM, UPCAST)
+                             offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, lo, mid_lo,
+                             True, True, BLOCK_M, HAS_PERM, UPCAST)
         if SPLIT:
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n,
-                                 pos_n, n_valid, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, mid_lo, mid_hi,
-                                 False, BLOCK_M, HAS_PERM, UPCAST)
+                                 pos_n, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, mid_lo, mid_hi,
+                                 False, False, BLOCK_M, HAS_PERM, UPCAST)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n,
-                                 pos_n, n_valid, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, mid_hi, hi,
-                                 True, BLOCK_M, HAS_PERM, UPCAST)
+                                 pos_n, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, mid_hi, hi,
+                                 True, False, BLOCK_M, HAS_PERM, UPCAST)
 
     dk = dk * sm_scale
     tl.store(_rows_at(DK + b * sdkb + hk * sdkh, pos_n, sdkn, offs_d), dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -299,8 +323,8 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
-              skn, svn, n, left, right, qk_scale, lo, hi,
-              EDGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
+              skn, svn, n, left, right, qk_scale, lo, hi, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+              BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
     rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM)
     k_step = _rows_at(k_base, lo + tl.arange(0, BLOCK_N), skn, offs_d)  # without pi: advanced per step
     v_step = _rows_at(v_base, lo + tl.arange(0, BLOCK_N), svn, offs_d)
@@ -310,8 +334,13 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos
         k = tl.load(_tile_rows(k_base, rows_n, skn, offs_d, k_step, HAS_PERM), mask=kv_mask, other=0.0)
         v = tl.load(_tile_rows(v_base, rows_n, svn, offs_d, v_step, HAS_PERM), mask=kv_mask, other=0.0)
         p = tl.math.exp2(_mm(q, tl.trans(k), UPCAST) * qk_scale - lse[:, None])
-        if EDGE or HAS_PERM:
-            p = tl.where(_visible(offs_m, offs_n, pos_m, pos_n, n, left, right, EDGE), p, 0.0)
+        if LEFT or RIGHT:
+            # keys past n need no check here: their rows load as zeros, so they add nothing to dq = ds @ k
+            vis = _visible(offs_m[:, None], offs_n[None, :], pos_m[:, None], pos_n[None, :], None,
+                           left, right, LEFT, RIGHT, False, HAS_PERM)
+            p = tl.where(vis, p, 0.0)
+        elif HAS_PERM:
+            p = tl.where(pos_n[None, :] <= pos_m[:, None], p, 0.0)
         ds = p * (_mm(do, tl.trans(v), UPCAST) - delta[:, None])
         dq += _mm(ds.to(k.dtype), k, UPCAST)
         if not HAS_PERM:
@@ -352,14 +381,14 @@ def _dq_kernel(
     v_base = V + b * svb + hk * svh
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, edge_end, mid_lo, mid_hi, hi = _tile_ranges(start_m, BLOCK_M, BLOCK_N, left, right, n, SPLIT)
+    lo, mid_lo, mid_hi, hi = _tile_ranges(start_m, BLOCK_M, BLOCK_N, left, right, n, SPLIT)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
-                   skn, svn, n, left, right, qk_scale, lo, edge_end, True, BLOCK_N, HAS_PERM, UPCAST)
+                   skn, svn, n, left, right, qk_scale, lo, mid_lo, True, True, BLOCK_N, HAS_PERM, UPCAST)
     if SPLIT:
         dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
-                       skn, svn, n, left, right, qk_scale, mid_lo, mid_hi, False, BLOCK_N, HAS_PERM, UPCAST)
+                       skn, svn, n, left, right, qk_scale, mid_lo, mid_hi, False, False, BLOCK_N, HAS_PERM, UPCAST)
         dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
-                       skn, svn, n, left, right, qk_scale, mid_hi, hi, True, BLOCK_N, HAS_PERM, UPCAST)
+                       skn, svn, n, left, right, qk_scale, mid_hi, hi, False, True, BLOCK_N, HAS_PERM, UPCAST)
 
     dq = dq * sm_scale
     tl.store(_rows_at(DQ + b * sdqb + h * sdqh, pos_m, sdqn, offs_d), dq.to(DQ.dtype.element_ty), mask=row_mask)

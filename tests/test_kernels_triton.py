@@ -55,7 +55,8 @@ def make_perm(kind: str, B: int, n: int, gen: torch.Generator):
         return torch.randperm(n, generator=gen).to(DEVICE)
     if kind == "identity":
         return torch.arange(n, device=DEVICE)
-    return torch.stack([torch.randperm(n, generator=gen) for _ in range(B)]).to(DEVICE)  # "batch": [B, n]
+    # "batch": [B, n], int32 as model.permutation draws it ("shared" stays int64: both dtypes are launched)
+    return torch.stack([torch.randperm(n, generator=gen, dtype=torch.int32) for _ in range(B)]).to(DEVICE)
 
 
 def make_inputs(B, Hq, Hkv, n, D, dtype, gen):
@@ -75,8 +76,7 @@ def check_against_naive(qkv, do, left, right, perm, dtype, scale=None, tol=None)
     grads = torch.autograd.grad(out, (q, k, v), do)
     # reference in fp32 from the same (rounded) inputs
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in qkv)
-    ref_perm = None if perm is None else perm.long()  # the reference takes int64 perms only
-    ref = naive_banded_attention(q32, k32, v32, left, right, ref_perm, scale)
+    ref = naive_banded_attention(q32, k32, v32, left, right, perm, scale)
     ref_grads = torch.autograd.grad(ref, (q32, k32, v32), do.float())
 
     assert out.dtype == dtype and out.shape == q.shape
