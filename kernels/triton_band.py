@@ -236,8 +236,9 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n, offs_d, d_valid, sqn, sdn, n, left, right, qk_scale, lo, hi, LEFT: tl.constexpr,
-                RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n, offs_d,
+                d_valid, sqn, sdn, n, left, right, qk_scale, lo, hi, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+                BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
     rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_M, HAS_PERM)
     first = lo + tl.arange(0, BLOCK_M)  # without pi: pointers advanced per step
     q_step, do_step = _rows_at(q_base, first, sqn, offs_d), _rows_at(do_base, first, sdn, offs_d)
