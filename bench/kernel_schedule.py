@@ -119,7 +119,10 @@ def _signature(jit, constexprs: dict, dtype: str):
 
 
 def compile_kernel(kernel: str, block_m: int, block_n: int, num_warps: int, num_stages: int, has_perm: bool,
-                   split: bool, head_dim: int = 64, arch: int = 90, dtype: str = "bf16") -> Compiled:
+                   split: bool, head_dim: int = 64, arch: int = 90, dtype: str = "bf16",
+                   specialized: dict | None = None) -> Compiled:
+    """Compile one kernel for sm_`arch`; `specialized` fixes arguments as constants, as Triton's JIT does with an
+    integer argument equal to 1 (e.g. a row stride of 1 at head dim 1)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -129,6 +132,7 @@ def compile_kernel(kernel: str, block_m: int, block_n: int, num_warps: int, num_
     jit = getattr(tb, KERNELS[kernel])
     constexprs = dict(GROUP=1, HEAD_DIM=head_dim, BLOCK_D=tb._pow2(max(16, head_dim)), BLOCK_M=block_m,
                       BLOCK_N=block_n, HAS_PERM=has_perm, UPCAST=False, SPLIT=split)
+    constexprs.update(specialized or {})
     constexprs = {k: v for k, v in constexprs.items() if k in jit.arg_names}  # older kernels (A/B) lack some
     sig, attrs = _signature(jit, constexprs, dtype)
     binary = triton.compile(ASTSource(jit, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32),

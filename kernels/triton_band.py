@@ -73,7 +73,7 @@ def _rows_at(base, pos, stride, offs_d):
     pos and the row stride are non-negative int32, so their product is taken as unsigned 32 x 32 -> 64 bits, one
     IMAD.WIDE.U32 per row on sm_90; the signed 64-bit product took ~6 instructions per gathered row and kept more
     registers live (bench/kernel_schedule.py: SA dq 219 -> 174 registers, SA per band -3 to -7%)."""
-    off = pos.to(tl.uint32, bitcast=True).to(tl.uint64) * stride.to(tl.uint32, bitcast=True).to(tl.uint64)
+    off = pos.to(tl.uint32, bitcast=True).to(tl.uint64) * tl.cast(stride, tl.uint32, bitcast=True).to(tl.uint64)
     return base + off[:, None] + offs_d[None, :]
 
 
@@ -510,8 +510,9 @@ def _empty(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """The kernels take any batch/head/row strides but need unit stride along the head dim."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+    """The kernels take any batch/head strides but need unit stride along the head dim and a row stride < 2**31
+    (_rows_at's 32-bit operands)."""
+    return x if x.stride(-1) == 1 and x.stride(2) < 2**31 else x.contiguous()
 
 
 def _strides(x: torch.Tensor):

@@ -59,3 +59,22 @@ def test_sa_loops_pipeline_as_deep_as_swa(tmp_path):
             line.startswith("| dq") or line.startswith("| dkdv")]
     assert len(rows) == 6
     assert all(float(depth) >= 1 for row in rows for depth in row[9].split("/"))
+
+
+@pytest.mark.skipif(cuobjdump_path() is None, reason="needs Triton's CUDA backend (ptxas, cuobjdump)")
+def test_kernels_compile_with_unit_row_strides(tmp_path):
+    """On a GPU, Triton's JIT turns an integer argument equal to 1 into a constant: at head dim 1 every row stride
+    is 1. The interpreter never does that, so only a compile for sm_90 shows that _rows_at takes a constant."""
+    code = (
+        "from bench.kernel_schedule import compile_kernel\n"
+        "strides = dict.fromkeys(['sqn', 'skn', 'svn', 'son', 'sdn', 'sdqn', 'sdkn', 'sdvn'], 1)\n"
+        "for kernel in ('fwd', 'dq', 'dkdv'):\n"
+        "    c = compile_kernel(kernel, 16, 16, 4, 1, True, True, head_dim=1, specialized=strides)\n"
+        "    print(kernel, c.registers, c.spill_bytes)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for the GPU target
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == ["fwd", "dq", "dkdv"]
