@@ -55,12 +55,17 @@ def _mm(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision="ieee")
 
 
+_PAD_KEY = tl.constexpr(2**31 - 1)
+_PAD_QUERY = tl.constexpr(-1)
+
+
 @triton.jit
-def _pos_tile(PERM, perm_off, start, n, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr):
-    """Original positions of the storage slots [start, start + BLOCK) (int32: the [M, N] causal compares are 32-bit)."""
+def _pos_tile(PERM, perm_off, start, n, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr, PAD: tl.constexpr):
+    """Original positions of the storage slots [start, start + BLOCK) (int32: the [M, N] causal compares are 32-bit);
+    slots past n read PAD (0 where the positions address rows, see _loop_tile for the mask's copy)."""
     offs = start + tl.arange(0, BLOCK)
     if HAS_PERM:
-        pos = tl.load(PERM + perm_off + offs, mask=offs < n, other=0).to(tl.int32)
+        pos = tl.load(PERM + perm_off + offs, mask=offs < n, other=PAD).to(tl.int32)
     else:
         pos = offs
     return pos
@@ -113,29 +118,35 @@ def _tile_ranges(start, SIZE: tl.constexpr, STEP: tl.constexpr, before, after, n
 
 
 @triton.jit
-def _visible(q_slot, k_slot, q_pos, k_pos, tail_ok, left, right,
-             LEFT: tl.constexpr, RIGHT: tl.constexpr, TAIL: tl.constexpr, HAS_PERM: tl.constexpr):
+def _visible(q_slot, k_slot, q_pos, k_pos, left, right,
+             LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_PERM: tl.constexpr):
     """Mask of (query, key) pairs (2-D broadcastable operands) on tiles that cross a band edge: key slot >= query
-    slot - left (LEFT), key slot <= query slot + right (RIGHT), `tail_ok` (TAIL: the loop's slots < n), and with
-    pi causal in original order. Each loop checks only what its tiles can cross (_tile_ranges): one edge costs
-    two instructions per element less than both. Without pi, right = 0 (the wrapper) makes the right edge the
-    causal diagonal, and the tiles left of it are causal already."""
+    slot - left (LEFT), key slot <= query slot + right (RIGHT), and with pi causal in original order. Each loop
+    checks only what its tiles can cross (_tile_ranges): one edge costs two instructions per element less than
+    both. Without pi, right = 0 (the wrapper) makes the right edge the causal diagonal, and the tiles left of it are
+    causal already. Slots past n need no compare of their own: with pi the loop's padded slots carry a position
+    that fails the causal compare (_loop_tile's PAD); without it, no key past n is left of a query's diagonal."""
     if LEFT:
         vis = k_slot >= q_slot - left
         if RIGHT:
             vis = vis & (k_slot <= q_slot + right)
     else:
         vis = k_slot <= q_slot + right
-    if TAIL:
-        vis = vis & tail_ok
     if HAS_PERM:
         vis = vis & (k_pos <= q_pos)
     return vis
 
 
 @triton.jit
-def _loop_tile(PERM, perm_off, start, rows_next, n, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr):
+def _loop_tile(PERM, perm_off, start, rows_next, n, BLOCK: tl.constexpr, HAS_PERM: tl.constexpr,
+               PAD: tl.constexpr):
     """One step of a tile loop: (slots, rows to gather, positions for the causal mask, next step's rows_next).
+
+    The mask's positions of slots past n are PAD: a padded key is later than every query (_PAD_KEY), a padded
+    query earlier than every key (_PAD_QUERY), so the causal compare drops padded slots whatever their rows hold.
+    (Zero rows are not enough: in dq a padded key still has p = exp2(-lse), which can overflow, and inf * 0 = NaN.)
+    Interior tiles hold no padded slots and pass PAD = 0: the async copy fills masked lanes with zeros for free,
+    any other value costs a select per element after the copy (+10% instructions per SA step).
 
     pi's entries are loaded twice, for what the compiler does with each (sm_90, Triton 3.7; `python -m
     bench.kernel_schedule` shows it). The rows of a gather come one step ahead, through `rows_next`: when they
@@ -152,8 +163,8 @@ def _loop_tile(PERM, perm_off, start, rows_next, n, BLOCK: tl.constexpr, HAS_PER
     pos = offs
     if HAS_PERM:
         rows = rows_next
-        rows_next = _pos_tile(PERM, perm_off, start + BLOCK, n, BLOCK, HAS_PERM)
-        pos = _pos_tile(PERM, perm_off, start, n, BLOCK, HAS_PERM)
+        rows_next = _pos_tile(PERM, perm_off, start + BLOCK, n, BLOCK, HAS_PERM, 0)
+        pos = _pos_tile(PERM, perm_off, start, n, BLOCK, HAS_PERM, PAD)
     return offs, rows, pos, rows_next
 
 
@@ -161,17 +172,18 @@ def _loop_tile(PERM, perm_off, start, rows_next, n, BLOCK: tl.constexpr, HAS_PER
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
                skn, svn, n, left, right, qk_scale, lo, hi, LEFT: tl.constexpr, RIGHT: tl.constexpr,
                BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
-    rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM)
+    rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM, 0)
     k_step = _rows_at(k_base, lo + tl.arange(0, BLOCK_N), skn, offs_d)  # without pi: advanced per step
     v_step = _rows_at(v_base, lo + tl.arange(0, BLOCK_N), svn, offs_d)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n, rows_n, pos_n, rows_next = _loop_tile(PERM, perm_off, start_n, rows_next, n, BLOCK_N, HAS_PERM)
+        offs_n, rows_n, pos_n, rows_next = _loop_tile(PERM, perm_off, start_n, rows_next, n, BLOCK_N, HAS_PERM,
+                                                       _PAD_KEY if LEFT or RIGHT else 0)
         kv_mask = (offs_n < n)[:, None] & d_valid[None, :]
         k = tl.load(_tile_rows(k_base, rows_n, skn, offs_d, k_step, HAS_PERM), mask=kv_mask, other=0.0)
         qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
         if LEFT or RIGHT:
-            vis = _visible(offs_m[:, None], offs_n[None, :], pos_m[:, None], pos_n[None, :], (offs_n < n)[None, :],
-                           left, right, LEFT, RIGHT, RIGHT, HAS_PERM)
+            vis = _visible(offs_m[:, None], offs_n[None, :], pos_m[:, None], pos_n[None, :], left, right,
+                           LEFT, RIGHT, HAS_PERM)
             qk = tl.where(vis, qk, float("-inf"))
         elif HAS_PERM:  # an interior tile: only pi's causal order (without pi: unmasked, as in flash attention)
             qk = tl.where(pos_n[None, :] <= pos_m[:, None], qk, float("-inf"))
@@ -208,7 +220,7 @@ def _fwd_kernel(
     d_valid = offs_d < HEAD_DIM
     m_valid = offs_m < n
     perm_off = b * spb
-    pos_m = _pos_tile(PERM, perm_off, start_m, n, BLOCK_M, HAS_PERM)
+    pos_m = _pos_tile(PERM, perm_off, start_m, n, BLOCK_M, HAS_PERM, 0)
     row_mask = m_valid[:, None] & d_valid[None, :]
     q = tl.load(_rows_at(Q + b * sqb + h * sqh, pos_m, sqn, offs_d), mask=row_mask, other=0.0)
     k_base = K + b * skb + hk * skh
@@ -239,12 +251,13 @@ def _fwd_kernel(
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_off, offs_n, pos_n, offs_d,
                 d_valid, sqn, sdn, n, left, right, qk_scale, lo, hi, LEFT: tl.constexpr, RIGHT: tl.constexpr,
                 BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
-    rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_M, HAS_PERM)
+    rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_M, HAS_PERM, 0)
     first = lo + tl.arange(0, BLOCK_M)  # without pi: pointers advanced per step
     q_step, do_step = _rows_at(q_base, first, sqn, offs_d), _rows_at(do_base, first, sdn, offs_d)
     lse_step, delta_step = lse_base + first, delta_base + first
     for start_m in range(lo, hi, BLOCK_M):
-        offs_m, rows_m, pos_m, rows_next = _loop_tile(PERM, perm_off, start_m, rows_next, n, BLOCK_M, HAS_PERM)
+        offs_m, rows_m, pos_m, rows_next = _loop_tile(PERM, perm_off, start_m, rows_next, n, BLOCK_M, HAS_PERM,
+                                                      _PAD_QUERY if LEFT or RIGHT else 0)
         m_valid = offs_m < n
         row_mask = m_valid[:, None] & d_valid[None, :]
         q = tl.load(_tile_rows(q_base, rows_m, sqn, offs_d, q_step, HAS_PERM), mask=row_mask, other=0.0)
@@ -253,10 +266,11 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_
         delta = tl.load(delta_base + rows_m if HAS_PERM else delta_step, mask=m_valid, other=0.0)
         pT = tl.math.exp2(_mm(k, tl.trans(q), UPCAST) * qk_scale - lse[None, :])  # [BLOCK_N, BLOCK_M]
         if LEFT or RIGHT:
-            # rows are keys, columns queries. Queries past n need no check: their q, dO, lse and delta load as
-            # zeros, so they add nothing to dv = pT @ dO or to dk = (pT * (v @ dO^T - delta)) @ q
-            visT = _visible(offs_m[None, :], offs_n[:, None], pos_m[None, :], pos_n[:, None], None,
-                            left, right, LEFT, RIGHT, False, HAS_PERM)
+            # rows are keys, columns queries. Queries past n: with pi the PAD position drops them; without, a
+            # key can be in their band, but their q, dO, lse and delta load as zeros, so pT = 1 exactly and they
+            # add exactly nothing to dv = pT @ dO or to dk = (pT * (v @ dO^T - delta)) @ q
+            visT = _visible(offs_m[None, :], offs_n[:, None], pos_m[None, :], pos_n[:, None], left, right,
+                            LEFT, RIGHT, HAS_PERM)
             pT = tl.where(visT, pT, 0.0)
         elif HAS_PERM:
             pT = tl.where(pos_n[:, None] <= pos_m[None, :], pT, 0.0)
@@ -290,7 +304,7 @@ def _dkdv_kernel(
     d_valid = offs_d < HEAD_DIM
     n_valid = offs_n < n
     perm_off = b * spb
-    pos_n = _pos_tile(PERM, perm_off, start_n, n, BLOCK_N, HAS_PERM)
+    pos_n = _pos_tile(PERM, perm_off, start_n, n, BLOCK_N, HAS_PERM, 0)
     kv_mask = n_valid[:, None] & d_valid[None, :]
     k = tl.load(_rows_at(K + b * skb + hk * skh, pos_n, skn, offs_d), mask=kv_mask, other=0.0)
     v = tl.load(_rows_at(V + b * svb + hk * svh, pos_n, svn, offs_d), mask=kv_mask, other=0.0)
@@ -326,19 +340,19 @@ def _dkdv_kernel(
 def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos_m, offs_d, d_valid,
               skn, svn, n, left, right, qk_scale, lo, hi, LEFT: tl.constexpr, RIGHT: tl.constexpr,
               BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr):
-    rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM)
+    rows_next = _pos_tile(PERM, perm_off, lo, n, BLOCK_N, HAS_PERM, 0)
     k_step = _rows_at(k_base, lo + tl.arange(0, BLOCK_N), skn, offs_d)  # without pi: advanced per step
     v_step = _rows_at(v_base, lo + tl.arange(0, BLOCK_N), svn, offs_d)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n, rows_n, pos_n, rows_next = _loop_tile(PERM, perm_off, start_n, rows_next, n, BLOCK_N, HAS_PERM)
+        offs_n, rows_n, pos_n, rows_next = _loop_tile(PERM, perm_off, start_n, rows_next, n, BLOCK_N, HAS_PERM,
+                                                       _PAD_KEY if LEFT or RIGHT else 0)
         kv_mask = (offs_n < n)[:, None] & d_valid[None, :]
         k = tl.load(_tile_rows(k_base, rows_n, skn, offs_d, k_step, HAS_PERM), mask=kv_mask, other=0.0)
         v = tl.load(_tile_rows(v_base, rows_n, svn, offs_d, v_step, HAS_PERM), mask=kv_mask, other=0.0)
         p = tl.math.exp2(_mm(q, tl.trans(k), UPCAST) * qk_scale - lse[:, None])
         if LEFT or RIGHT:
-            # keys past n need no check here: their rows load as zeros, so they add nothing to dq = ds @ k
-            vis = _visible(offs_m[:, None], offs_n[None, :], pos_m[:, None], pos_n[None, :], None,
-                           left, right, LEFT, RIGHT, False, HAS_PERM)
+            vis = _visible(offs_m[:, None], offs_n[None, :], pos_m[:, None], pos_n[None, :], left, right,
+                           LEFT, RIGHT, HAS_PERM)
             p = tl.where(vis, p, 0.0)
         elif HAS_PERM:
             p = tl.where(pos_n[None, :] <= pos_m[:, None], p, 0.0)
@@ -369,7 +383,7 @@ def _dq_kernel(
     d_valid = offs_d < HEAD_DIM
     m_valid = offs_m < n
     perm_off = b * spb
-    pos_m = _pos_tile(PERM, perm_off, start_m, n, BLOCK_M, HAS_PERM)
+    pos_m = _pos_tile(PERM, perm_off, start_m, n, BLOCK_M, HAS_PERM, 0)
     row_mask = m_valid[:, None] & d_valid[None, :]
     q = tl.load(_rows_at(Q + b * sqb + h * sqh, pos_m, sqn, offs_d), mask=row_mask, other=0.0)
     do = tl.load(_rows_at(DO + b * sdb + h * sdh, pos_m, sdn, offs_d), mask=row_mask, other=0.0)
@@ -512,11 +526,12 @@ def _empty(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """The kernels take any batch/head strides but need unit stride along the head dim and a row stride < 2**31
     (_rows_at's 32-bit operands)."""
-    return x if x.stride(-1) == 1 and x.stride(2) < 2**31 else x.contiguous()
+    stride = x.stride()
+    return x if stride[3] == 1 and stride[2] < 2**31 else x.contiguous()
 
 
 def _strides(x: torch.Tensor):
-    return x.stride(0), x.stride(1), x.stride(2)
+    return x.stride()[:3]
 
 
 def _prepare_perm(perm: torch.Tensor | None, B: int, n: int, device) -> tuple[torch.Tensor | None, int]:

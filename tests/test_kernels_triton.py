@@ -190,6 +190,23 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's exp2 overflows in lanes masked after it
+@pytest.mark.parametrize("dtype,scale", [(F32, 30.0), (F16, 5.0)])
+def test_padded_slots_stay_out_of_gradients(dtype, scale):
+    """Slots past n (n=17 in 32- or 64-slot tiles) must not reach any row. Queries far from every key give a large
+    negative lse, so a padded key in dq had p = exp2(-lse) = inf (or an fp16 overflow of ds) times its zero row:
+    NaN in dq, when the dq kernel relied on zero rows instead of masking padded keys (review of 9681eb8)."""
+    gen = torch.Generator().manual_seed(9)
+    n, D = 17, 16
+    ones = torch.ones(1, 1, n, D)
+    q = -scale * ones + 0.01 * torch.randn(1, 1, n, D, generator=gen)
+    k = ones + 0.01 * torch.randn(1, 1, n, D, generator=gen)
+    v = torch.randn(1, 1, n, D, generator=gen)
+    do = torch.randn(1, 1, n, D, generator=gen)
+    perm = torch.randperm(n, generator=gen, dtype=torch.int32)
+    check_against_naive([t.to(DEVICE, dtype) for t in (q, k, v)], do.to(DEVICE, dtype), 3, 3, perm.to(DEVICE), dtype)
+
+
 def test_bf16():
     """bf16 in, bf16 out, fp32 accumulation (the interpreter takes an fp32 tl.dot path for bf16)."""
     gen = torch.Generator().manual_seed(6)
