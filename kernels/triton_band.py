@@ -196,8 +196,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, 
         acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
         m_i = m_new
         if not HAS_PERM:
-            k_step += BLOCK_N * skn
-            v_step += BLOCK_N * svn
+            k_step += BLOCK_N * tl.cast(skn, tl.int64)  # 64-bit: BLOCK * stride can pass 2**31
+            v_step += BLOCK_N * tl.cast(svn, tl.int64)
     return acc, l_i, m_i
 
 
@@ -278,8 +278,8 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_
         dsT = pT * (_mm(v, tl.trans(do), UPCAST) - delta[None, :])
         dk += _mm(dsT.to(q.dtype), q, UPCAST)
         if not HAS_PERM:
-            q_step += BLOCK_M * sqn
-            do_step += BLOCK_M * sdn
+            q_step += BLOCK_M * tl.cast(sqn, tl.int64)  # 64-bit: BLOCK * stride can pass 2**31
+            do_step += BLOCK_M * tl.cast(sdn, tl.int64)
             lse_step += BLOCK_M
             delta_step += BLOCK_M
     return dk, dv
@@ -359,8 +359,8 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos
         ds = p * (_mm(do, tl.trans(v), UPCAST) - delta[:, None])
         dq += _mm(ds.to(k.dtype), k, UPCAST)
         if not HAS_PERM:
-            k_step += BLOCK_N * skn
-            v_step += BLOCK_N * svn
+            k_step += BLOCK_N * tl.cast(skn, tl.int64)  # 64-bit: BLOCK * stride can pass 2**31
+            v_step += BLOCK_N * tl.cast(svn, tl.int64)
     return dq
 
 
