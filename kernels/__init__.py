@@ -14,6 +14,7 @@ Backends (``backend=``):
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -57,6 +58,7 @@ def resolve_backend(backend: str, device: torch.device, q: torch.Tensor | None =
     return backend
 
 
+@functools.cache
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
