@@ -164,7 +164,10 @@ def _loop_tile(PERM, perm_off, start, rows_next, n, BLOCK: tl.constexpr, HAS_PER
     if HAS_PERM:
         rows = rows_next
         rows_next = _pos_tile(PERM, perm_off, start + BLOCK, n, BLOCK, HAS_PERM, 0)
-        pos = _pos_tile(PERM, perm_off, start, n, BLOCK, HAS_PERM, PAD)
+        if PAD == 0:  # an interior tile: every slot < n, so the load needs no mask
+            pos = tl.load(PERM + perm_off + offs).to(tl.int32)
+        else:
+            pos = _pos_tile(PERM, perm_off, start, n, BLOCK, HAS_PERM, PAD)
     return offs, rows, pos, rows_next
 
 
