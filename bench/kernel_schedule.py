@@ -9,7 +9,7 @@ leaves outstanding while it computes the current one (the `num` of the `ttg.asyn
 divided by the async-copy groups it commits per step). 0 means each step waits for the loads it just issued and
 pays their whole latency; flash-attention style loops keep >= 1. It also counts the SASS instructions of each
 loop's step, a proxy for issue time when the loads are hidden. `--check` exits 1 when an SA loop keeps fewer tiles
-in flight than the same SWA loop, when SA's steps over a band (w=256, 64-slot tiles) take over 1.45x SWA's
+in flight than the same SWA loop, when SA's steps over a band (w=256, 64-slot tiles) take over 1.6x SWA's
 instructions, or when a kernel spills registers (tests/test_bench.py runs it). None of it is speed:
 bench/attention.py on a GPU measures that.
 """
@@ -25,8 +25,10 @@ from dataclasses import dataclass
 
 KERNELS = {"fwd": "_fwd_kernel", "dq": "_dq_kernel", "dkdv": "_dkdv_kernel"}
 FP32_POINTERS = ("LSE", "DELTA")
-# SA's extra work per step: pi's causal compare on every tile, the mask's pi tile, the gathers' row addresses
-MAX_SA_INSTRUCTIONS = 1.45
+# SA's extra work per step: pi's causal compare on every tile, the mask's pi tile, the gathers' row addresses.
+# 1.2-1.5x with Triton 3.7 and 1.3-1.55x with 3.6 at the 64 x 64 configs; the SA steps of 7d8a8b0, which loaded
+# the mask's pi carried in the MMA layout, take 1.68x (fwd) and 1.82x (dq) the current SWA's.
+MAX_SA_INSTRUCTIONS = 1.6
 
 
 @dataclass
