@@ -108,8 +108,8 @@ def _tile_ranges(start, SIZE: tl.constexpr, STEP: tl.constexpr, before, after, n
     if SPLIT:
         mid_lo = ((tl.maximum(start + SIZE - 1 - before, lo) + STEP - 1) // STEP) * STEP
         mid_hi = (tl.minimum(start + after + 1, n) // STEP) * STEP
-        # bounds stay multiples of STEP (hi rounded up: the same tiles), so the compiler keeps the row pointers'
-        # alignment; with hi itself Triton 3.6 split the contiguous tiles' copies into 4-byte ones
+        # every loop starts at a multiple of STEP (hi rounded up: the same tiles), so the compiler keeps the row
+        # pointers' alignment; a start at hi itself made Triton 3.6 split contiguous tiles' copies into 4-byte ones
         hi_tile = ((hi + STEP - 1) // STEP) * STEP
         narrow = mid_hi < mid_lo
         mid_lo = tl.where(narrow, hi_tile, tl.minimum(mid_lo, hi_tile))
