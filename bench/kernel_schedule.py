@@ -191,8 +191,10 @@ def main(argv=None) -> int:
 
     split = getattr(tb, "_SPLIT", False)
     problems = []
-    print(f"sm_{args.arch}, bf16, head dim {args.head_dim}, split={split}; tiles in flight per loop "
-          "(copy groups left outstanding / groups per step)")
+    import triton
+
+    print(f"Triton {triton.__version__}, sm_{args.arch}, bf16, head dim {args.head_dim}, split={split}; tiles in "
+          "flight per loop (copy groups left outstanding / groups per step)")
     print("| kernel | tile (M x N) | warps | stages | variant | registers | spill bytes | shared KiB "
           "| tiles in flight | blocking loads per step | SASS instructions per step |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
