@@ -123,20 +123,24 @@ def _tile_ranges(start, SIZE: tl.constexpr, STEP: tl.constexpr, before, after, n
 @triton.jit
 def _visible(q_slot, k_slot, q_pos, k_pos, left, right,
              LEFT: tl.constexpr, RIGHT: tl.constexpr, HAS_PERM: tl.constexpr):
-    """Mask of (query, key) pairs (2-D broadcastable operands) on tiles that cross a band edge: key slot >= query
-    slot - left (LEFT), key slot <= query slot + right (RIGHT), and with pi causal in original order. Each loop
-    checks only what its tiles can cross (_tile_ranges): one edge costs two instructions per element less than
-    both. Without pi, right = 0 (the wrapper) makes the right edge the causal diagonal, and the tiles left of it are
-    causal already. Slots past n need no compare of their own: with pi the loop's padded slots carry a position
+    """Mask of (query, key) pairs (2-D broadcastable operands): key slot >= query slot - left (LEFT), key slot <=
+    query slot + right (RIGHT), and with pi causal in original order; call it only when LEFT, RIGHT or HAS_PERM
+    (interior tiles without pi take no mask). Each loop checks only what its tiles can cross (_tile_ranges): one
+    edge costs two instructions per element less than both. Without pi, right = 0 (the wrapper) makes the right
+    edge the causal diagonal, and the tiles left of it are causal already. Slots past n need no compare of their own: with pi the loop's padded slots carry a position
     that fails the causal compare (_loop_tile's PAD); without it, no key past n is left of a query's diagonal."""
-    if LEFT:
+    if HAS_PERM:
+        vis = k_pos <= q_pos
+        if LEFT:
+            vis = vis & (k_slot >= q_slot - left)
+        if RIGHT:
+            vis = vis & (k_slot <= q_slot + right)
+    elif LEFT:
         vis = k_slot >= q_slot - left
         if RIGHT:
             vis = vis & (k_slot <= q_slot + right)
     else:
         vis = k_slot <= q_slot + right
-    if HAS_PERM:
-        vis = vis & (k_pos <= q_pos)
     return vis
 
 
@@ -187,12 +191,10 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, 
         kv_mask = (offs_n < n)[:, None] & d_valid[None, :]
         k = tl.load(_tile_rows(k_base, rows_n, skn, offs_d, k_step, HAS_PERM), mask=kv_mask, other=0.0)
         qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
-        if LEFT or RIGHT:
+        if LEFT or RIGHT or HAS_PERM:  # interior tiles without pi: unmasked, as in flash attention
             vis = _visible(offs_m[:, None], offs_n[None, :], pos_m[:, None], pos_n[None, :], left, right,
                            LEFT, RIGHT, HAS_PERM)
             qk = tl.where(vis, qk, float("-inf"))
-        elif HAS_PERM:  # an interior tile: only pi's causal order (without pi: unmasked, as in flash attention)
-            qk = tl.where(pos_n[None, :] <= pos_m[:, None], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: avoid inf - inf
         alpha = tl.math.exp2(m_i - m_safe)
@@ -271,15 +273,13 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, PERM, perm_
         lse = tl.load(lse_base + rows_m if HAS_PERM else lse_step, mask=m_valid, other=0.0)
         delta = tl.load(delta_base + rows_m if HAS_PERM else delta_step, mask=m_valid, other=0.0)
         pT = tl.math.exp2(_mm(k, tl.trans(q), UPCAST) * qk_scale - lse[None, :])  # [BLOCK_N, BLOCK_M]
-        if LEFT or RIGHT:
+        if LEFT or RIGHT or HAS_PERM:
             # rows are keys, columns queries. Queries past n: with pi the PAD position drops them; without, a
             # key can be in their band, but their q, dO, lse and delta load as zeros, so pT = 1 exactly and they
             # add exactly nothing to dv = pT @ dO or to dk = (pT * (v @ dO^T - delta)) @ q
             visT = _visible(offs_m[None, :], offs_n[:, None], pos_m[None, :], pos_n[:, None], left, right,
                             LEFT, RIGHT, HAS_PERM)
             pT = tl.where(visT, pT, 0.0)
-        elif HAS_PERM:
-            pT = tl.where(pos_n[:, None] <= pos_m[None, :], pT, 0.0)
         dv += _mm(pT.to(do.dtype), do, UPCAST)
         dsT = pT * (_mm(v, tl.trans(do), UPCAST) - delta[None, :])
         dk += _mm(dsT.to(q.dtype), q, UPCAST)
@@ -356,12 +356,10 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos
         k = tl.load(_tile_rows(k_base, rows_n, skn, offs_d, k_step, HAS_PERM), mask=kv_mask, other=0.0)
         v = tl.load(_tile_rows(v_base, rows_n, svn, offs_d, v_step, HAS_PERM), mask=kv_mask, other=0.0)
         p = tl.math.exp2(_mm(q, tl.trans(k), UPCAST) * qk_scale - lse[:, None])
-        if LEFT or RIGHT:
+        if LEFT or RIGHT or HAS_PERM:
             vis = _visible(offs_m[:, None], offs_n[None, :], pos_m[:, None], pos_n[None, :], left, right,
                            LEFT, RIGHT, HAS_PERM)
             p = tl.where(vis, p, 0.0)
-        elif HAS_PERM:
-            p = tl.where(pos_n[None, :] <= pos_m[:, None], p, 0.0)
         ds = p * (_mm(do, tl.trans(v), UPCAST) - delta[:, None])
         dq += _mm(ds.to(k.dtype), k, UPCAST)
         if not HAS_PERM:

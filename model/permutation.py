@@ -26,8 +26,8 @@ def seeded_generator(*keys: int) -> torch.Generator:
 
 
 def _randperm(n: int, gen: torch.Generator) -> torch.Tensor:
-    """int32: the same draw as int64 for a given generator, half the bytes to copy, and the Triton kernels' row
-    offsets and causal compares stay 32-bit (bench/kernel_schedule.py: SA dq 219 -> 168 registers on sm_90)."""
+    """int32: the same draw as int64 for a given generator and half the bytes to copy to a GPU; every backend
+    takes either."""
     return torch.randperm(n, generator=gen, dtype=torch.int32)
 
 
