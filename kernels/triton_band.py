@@ -127,8 +127,9 @@ def _visible(q_slot, k_slot, q_pos, k_pos, left, right,
     query slot + right (RIGHT), and with pi causal in original order; call it only when LEFT, RIGHT or HAS_PERM
     (interior tiles without pi take no mask). Each loop checks only what its tiles can cross (_tile_ranges): one
     edge costs two instructions per element less than both. Without pi, right = 0 (the wrapper) makes the right
-    edge the causal diagonal, and the tiles left of it are causal already. Slots past n need no compare of their own: with pi the loop's padded slots carry a position
-    that fails the causal compare (_loop_tile's PAD); without it, no key past n is left of a query's diagonal."""
+    edge the causal diagonal, and the tiles left of it are causal already. Slots past n need no compare of their
+    own: with pi the loop's padded slots carry a position that fails the causal compare (_loop_tile's PAD);
+    without it, no key past n is left of a query's diagonal."""
     if HAS_PERM:
         vis = k_pos <= q_pos
         if LEFT:
