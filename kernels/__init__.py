@@ -14,7 +14,7 @@ Backends (``backend=``):
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 import os
 
 import torch
@@ -58,13 +58,12 @@ def resolve_backend(backend: str, device: torch.device, q: torch.Tensor | None =
     return backend
 
 
-@functools.cache
+# Looked up once without importing triton (the core imports fast; a compiled graph reads a constant).
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _HAS_TRITON
 
 
 def banded_attention(

@@ -557,84 +557,133 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _common(q, k, left, right):
-    D = q.shape[-1]
+def _prepare(q, k, v, left, right, perm):
+    """What the kernels take: rows they can address, the band as they run it, pi on q's device."""
     n = q.shape[2]
-    block_d = max(16, _pow2(D))
     # clamp the band to the sequence (no change in meaning) so huge "full attention" bands fit in int32
     left, right = min(int(left), n), min(int(right), n)
-    upcast = _INTERPRET and q.dtype == torch.bfloat16
-    return n, D, block_d, left, right, upcast
-
-
-def _forward(q, k, v, left, right, perm, scale):
-    """Launch the forward kernel. Returns (o, lse, q, k, v, perm, right, spb): what the backward needs."""
-    B, Hq, _, _ = q.shape
-    Hkv = k.shape[1]
-    n, D, block_d, left, right, upcast = _common(q, k, left, right)
-    q, k, v = _rows(q), _rows(k), _rows(v)
-    perm_t, spb = _prepare_perm(perm, B, n, q.device)
-    if perm_t is None:  # storage order is original order: keys right of the query are never visible
+    if perm is None:  # storage order is original order: keys right of the query are never visible
         right = 0
+    perm_t, spb = _prepare_perm(perm, q.shape[0], n, q.device)
+    return _rows(q), _rows(k), _rows(v), left, right, perm_t, spb
+
+
+def _flags(q, k, perm_t) -> dict:
+    D = q.shape[-1]
+    return dict(GROUP=q.shape[1] // k.shape[1], HEAD_DIM=D, BLOCK_D=max(16, _pow2(D)), HAS_PERM=perm_t is not None,
+                UPCAST=_INTERPRET and q.dtype == torch.bfloat16, SPLIT=_SPLIT)
+
+
+def _forward(q, k, v, left, right, perm_t, spb, scale):
+    """Forward kernel on _prepare's outputs. Returns (o, lse): lse [B, Hq, n] fp32 is what the backward needs."""
+    B, Hq, n, _ = q.shape
     o = _empty(q.shape, q)
     lse = _empty((B, Hq, n), q, torch.float32)
     if n > 0 and B * Hq > 0:
+        flags = _flags(q, k, perm_t)
         with _on_device(q):
             _launch(
                 _fwd, (Hq, B),
                 (q, k, v, o, lse, perm_t if perm_t is not None else q,
                  *_strides(q), *_strides(k), *_strides(v), *_strides(o), spb,
                  n, left, right, Hq, scale * _LOG2E, *_tune_keys(n, left, right)),
-                dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HAS_PERM=perm_t is not None, UPCAST=upcast,
-                     SPLIT=_SPLIT),
-                "BLOCK_M", n, block_d * q.element_size(),
+                flags, "BLOCK_M", n, flags["BLOCK_D"] * q.element_size(),
             )
-    return o, lse, q, k, v, perm_t, left, right, spb
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, left, right, perm_t, spb, scale):
+    """dq, dk, dv (on _prepare's outputs) of the forward that produced (o, lse)."""
+    B, Hq, n, _ = q.shape
+    Hkv = k.shape[1]
+    do = _rows(do)
+    dq = _empty(q.shape, q)
+    dk = _empty(k.shape, k)
+    dv = _empty(v.shape, v)
+    if n == 0 or B * Hq == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    with _on_device(q):
+        delta = _empty(lse.shape, lse)
+        perm_arg = perm_t if perm_t is not None else q
+        flags = _flags(q, k, perm_t)
+        keys = _tune_keys(n, left, right)
+        row_bytes = flags["BLOCK_D"] * q.element_size()
+        _launch(  # first: it also writes delta, which the dk/dv kernel reads
+            _dq, (Hq, B),
+            (q, k, v, o, do, lse, delta, dq, perm_arg,
+             *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq), spb,
+             n, left, right, Hq, scale * _LOG2E, scale, *keys),
+            flags, "BLOCK_M", n, row_bytes,
+        )
+        _launch(
+            _dkdv, (Hkv, B),
+            (q, k, v, do, lse, delta, dk, dv, perm_arg,
+             *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv), spb,
+             n, left, right, Hq, Hkv, scale * _LOG2E, scale, *keys),
+            flags, "BLOCK_N", n, row_bytes,
+        )
+    return dq, dk, dv
 
 
 class _TritonBandedAttention(torch.autograd.Function):
+    """The eager path: a plain autograd.Function costs less host time per call than a custom op's dispatch."""
+
     @staticmethod
     def forward(ctx, q, k, v, left, right, perm, scale):
-        o, lse, q, k, v, perm_t, left, right, spb = _forward(q, k, v, left, right, perm, scale)
+        q, k, v, left, right, perm_t, spb = _prepare(q, k, v, left, right, perm)
+        o, lse = _forward(q, k, v, left, right, perm_t, spb, scale)
         ctx.save_for_backward(q, k, v, o, lse, perm_t)
-        ctx.band = (left, right, scale, spb)
+        ctx.band = (left, right, spb, scale)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, perm_t = ctx.saved_tensors
-        left, right, scale, spb = ctx.band
-        B, Hq, n, D = q.shape
-        Hkv = k.shape[1]
-        block_d = max(16, _pow2(D))
-        upcast = _INTERPRET and q.dtype == torch.bfloat16
-        do = _rows(do)
-        dq = _empty(q.shape, q)
-        dk = _empty(k.shape, k)
-        dv = _empty(v.shape, v)
-        if n == 0 or B * Hq == 0:
-            return dq.zero_(), dk.zero_(), dv.zero_(), None, None, None, None
-        with _on_device(q):
-            delta = _empty(lse.shape, lse)
-            perm_arg = perm_t if perm_t is not None else q
-            flags = dict(GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, HAS_PERM=perm_t is not None, UPCAST=upcast,
-                         SPLIT=_SPLIT)
-            keys = _tune_keys(n, left, right)
-            _launch(  # first: it also writes delta, which the dk/dv kernel reads
-                _dq, (Hq, B),
-                (q, k, v, o, do, lse, delta, dq, perm_arg,
-                 *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq), spb,
-                 n, left, right, Hq, scale * _LOG2E, scale, *keys),
-                flags, "BLOCK_M", n, block_d * q.element_size(),
-            )
-            _launch(
-                _dkdv, (Hkv, B),
-                (q, k, v, do, lse, delta, dk, dv, perm_arg,
-                 *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv), spb,
-                 n, left, right, Hq, Hkv, scale * _LOG2E, scale, *keys),
-                flags, "BLOCK_N", n, block_d * q.element_size(),
-            )
-        return dq, dk, dv, None, None, None, None
+        left, right, spb, scale = ctx.band
+        return *_backward(do, q, k, v, o, lse, left, right, perm_t, spb, scale), None, None, None, None
+
+
+# The path inside torch.compile: custom ops are opaque to the compiler (it cannot trace a Triton launch through this
+# wrapper's caches), with fake implementations for shapes and an autograd formula, so a compiled decoder block stays
+# one graph and CUDA graphs can capture the launches.
+@torch.library.custom_op("sa_kernels::banded_attention", mutates_args=())
+def _banded_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor | None, left: int, right: int,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(*_prepare(q, k, v, left, right, perm), scale)
+
+
+@_banded_op.register_fake
+def _(q, k, v, perm, left, right, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("sa_kernels::banded_attention_backward", mutates_args=())
+def _banded_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                        lse: torch.Tensor, perm: torch.Tensor | None, left: int, right: int,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, left, right, perm_t, spb = _prepare(q, k, v, left, right, perm)
+    return _backward(do, q, k, v, o, lse, left, right, perm_t, spb, scale)
+
+
+@_banded_backward_op.register_fake
+def _(do, q, k, v, o, lse, perm, left, right, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _op_setup_context(ctx, inputs, output):
+    q, k, v, perm, left, right, scale = inputs
+    ctx.save_for_backward(q, k, v, *output, perm)
+    ctx.band = (left, right, scale)
+
+
+def _op_backward(ctx, do, _dlse):
+    q, k, v, o, lse, perm = ctx.saved_tensors
+    left, right, scale = ctx.band
+    dq, dk, dv = _banded_backward_op(do, q, k, v, o, lse, perm, left, right, scale)
+    return dq, dk, dv, None, None, None, None
+
+
+_banded_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 def triton_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None):
@@ -650,6 +699,9 @@ def triton_banded_attention(q, k, v, left: int, right: int, perm=None, scale=Non
     if q.shape[-1] > TRITON_MAX_HEAD_DIM:
         raise ValueError(f"head dim {q.shape[-1]} > {TRITON_MAX_HEAD_DIM} is not supported by the Triton kernel")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if torch.compiler.is_compiling():
+        return _banded_op(q, k, v, perm, int(left), int(right), scale)[0]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _TritonBandedAttention.apply(q, k, v, left, right, perm, scale)
-    return _forward(q, k, v, left, right, perm, scale)[0]  # inference: no autograd node, nothing saved
+    # inference: no autograd node, nothing saved
+    return _forward(*_prepare(q, k, v, left, right, perm), scale)[0]
