@@ -93,6 +93,11 @@ def _check_trainer_and_optim(cfg: DictConfig):
                           "GPUs, or auto")
     if devices == -1 and t.accelerator == "cpu":
         raise ConfigError("trainer.devices", devices, "-1 (every GPU) needs a GPU accelerator; give a count on CPU")
+    if not isinstance(t.get("compile", False), bool):
+        raise ConfigError("trainer.compile", t.compile, "true or false (torch.compile every decoder block)")
+    if t.get("compile") and cfg.attention.backend == "flex":
+        raise ConfigError("trainer.compile", True, "attention.backend=flex compiles its own kernel; use backend "
+                          "auto, torch or triton with a compiled model")
     if int(t.num_nodes) < 1:
         raise ConfigError("trainer.num_nodes", t.num_nodes, "must be a positive integer")
     if not float(o.lr) > 0:
@@ -220,6 +225,8 @@ def train(cfg: DictConfig) -> dict:
                         attention=OmegaConf.to_container(cfg.attention, resolve=True),
                         optim=OmegaConf.to_container(cfg.optim, resolve=True), seed=cfg.seed,
                         max_steps=int(cfg.optim.get("schedule_steps") or cfg.trainer.max_steps))
+    if cfg.trainer.get("compile"):
+        module.model.compile_blocks()
     n_params = module.model.num_parameters()
     console.print(f"[bold]model[/]: {n_params / 1e6:.2f}M parameters "
                   f"({module.model.num_parameters(non_embedding=True) / 1e6:.2f}M non-embedding), "

@@ -2,6 +2,7 @@
 
     python -m bench.model                               # CPU: the small default model, n=256
     python -m bench.model --model 360m --seq-len 2048 --batch 8   # GPU: the paper's shape (bf16 autocast)
+    python -m bench.model --compile                     # also each variant with compiled blocks (trainer.compile)
 
 Times one training step without the optimizer (the part attention changes), median over steps after warm-up, and
 prints tokens/s and the step time relative to full attention. Writes bench/results/model_<device>_<model>_n<n>.csv.
@@ -63,6 +64,7 @@ def main():
     p.add_argument("--variants", nargs="+", default=["full", "swa", "sa", "gated_sa_swa"])
     p.add_argument("--backend", default="auto")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--compile", action="store_true", help="time every variant eager and with compiled blocks")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
     keep_freed_memory()  # as train.py does
@@ -75,20 +77,25 @@ def main():
     autocast = device.type == "cuda"
     rows = []
     for kind in args.variants:
-        torch.manual_seed(0)
-        model = Decoder(cfg, AttentionConfig(kind=kind, window=args.window, backend=args.backend)).to(device).train()
-        ms = step_ms(model, tokens, device, args.steps, autocast)
-        rows.append({"device": torch.cuda.get_device_name() if autocast else "cpu", "model": args.model,
-                     "params_m": round(model.num_parameters() / 1e6, 1), "batch": args.batch, "n": n,
-                     "w": args.window, "variant": kind, "backend": args.backend, "step_ms": round(ms, 2),
-                     "tokens_per_s": round(args.batch * n / ms * 1e3)})
-        print(rows[-1], flush=True)
-        del model
-    base = next((r["step_ms"] for r in rows if r["variant"] == "full"), None)
-    print(f"\n| variant | step ms (fwd+bwd) | tokens/s | vs full |\n|---|---|---|---|")
+        for compiled in (False, True) if args.compile else (False,):
+            torch.manual_seed(0)
+            model = Decoder(cfg, AttentionConfig(kind=kind, window=args.window, backend=args.backend))
+            model = model.to(device).train()
+            if compiled:
+                model.compile_blocks()  # as trainer.compile=true; the warm-up steps compile
+            ms = step_ms(model, tokens, device, args.steps, autocast)
+            rows.append({"device": torch.cuda.get_device_name() if autocast else "cpu", "model": args.model,
+                         "params_m": round(model.num_parameters() / 1e6, 1), "batch": args.batch, "n": n,
+                         "w": args.window, "variant": kind, "backend": args.backend, "compiled": compiled,
+                         "step_ms": round(ms, 2), "tokens_per_s": round(args.batch * n / ms * 1e3)})
+            print(rows[-1], flush=True)
+            del model
+    base = next((r["step_ms"] for r in rows if r["variant"] == "full" and not r["compiled"]), None)
+    print("\n| variant | step ms (fwd+bwd) | tokens/s | vs full (eager) |\n|---|---|---|---|")
     for r in rows:
         rel = f"{r['step_ms'] / base:.3f}" if base else "-"
-        print(f"| {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,} | {rel} |")
+        name = r["variant"] + (" (compiled)" if r["compiled"] else "")
+        print(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,} | {rel} |")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"model_{'gpu' if autocast else 'cpu'}_{args.model}_n{n}.csv"
     with open(path, "w", newline="") as f:

@@ -44,11 +44,22 @@ class Attention(nn.Module):
             nn.init.zeros_(self.gate.weight)
             nn.init.zeros_(self.gate.bias)
 
-    def _perm(self, n: int, batch: int, lengths, device):
+    @property
+    def uses_perm(self) -> bool:
+        return self.attn.kind in ("sa", "gated_sa_swa")
+
+    def draw_perm(self, n: int, batch: int, lengths=None, device=None) -> torch.Tensor | None:
+        """This layer's pi for the next forward pass (None when the layer has no SA path)."""
+        if not self.uses_perm:
+            return None
         return self.sampler.sample(self.layer, n, batch, self.training, lengths, device)
 
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None,
+                perm: torch.Tensor | None = None) -> torch.Tensor:
+        """`perm`: pi drawn beforehand (Decoder does, so that a compiled block holds no sampling); None draws it."""
         B, n, _ = x.shape
+        if perm is None and self.uses_perm:
+            perm = self.draw_perm(n, B, lengths, x.device)
         H, Hkv, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         q = self.rotary(self.q_proj(x).view(B, n, H, D).transpose(1, 2))
         k = self.rotary(self.k_proj(x).view(B, n, Hkv, D).transpose(1, 2))
@@ -63,9 +74,9 @@ class Attention(nn.Module):
 
             y = moba_attention(q, k, v, block_size=max(1, w // 2), top_k=2)
         elif kind == "sa":
-            y = banded_attention(q, k, v, w, perm=self._perm(n, B, lengths, x.device), backend=backend)
+            y = banded_attention(q, k, v, w, perm=perm, backend=backend)
         else:
-            y_sa = banded_attention(q, k, v, w, perm=self._perm(n, B, lengths, x.device), backend=backend)
+            y_sa = banded_attention(q, k, v, w, perm=perm, backend=backend)
             y_swa = banded_attention(q, k, v, w, backend=backend)
             g = torch.sigmoid(self.gate(x)).transpose(1, 2).unsqueeze(-1)  # [B, 2H, n, 1]
             y = g[:, :H] * y_sa + g[:, H:] * y_swa

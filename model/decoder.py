@@ -21,8 +21,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
-    def forward(self, x, lengths=None):
-        x = x + self.attn(self.attn_norm(x), lengths)
+    def forward(self, x, lengths=None, perm=None):
+        x = x + self.attn(self.attn_norm(x), lengths, perm)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -62,10 +62,20 @@ class Decoder(nn.Module):
         matmul of a small model)."""
         if tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        # Every pi is drawn before the first block: a compiled block (compile_blocks) then holds no host-side sampling
+        # and no graph break; the draws are the same as drawing inside each layer (one generator per layer).
+        B, n = tokens.shape
+        perms = [block.attn.draw_perm(n, B, lengths, tokens.device) for block in self.blocks]
         x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x, lengths)
+        for block, perm in zip(self.blocks, perms):
+            x = block(x, lengths, perm)
         return self.norm(x)
+
+    def compile_blocks(self, **options) -> None:
+        """torch.compile every decoder block in place (fullgraph; state-dict names unchanged), as torchtitan does:
+        blocks share one graph, and the Triton attention enters it as an opaque custom op."""
+        for block in self.blocks:
+            block.compile(fullgraph=True, **options)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         total = sum(p.numel() for p in self.parameters())

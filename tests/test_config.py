@@ -65,6 +65,8 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("trainer.accelerator=tpu", "trainer.accelerator"),
         ("trainer.devices=[0,-1]", "trainer.devices"),
         ("trainer.devices=two", "trainer.devices"),
+        ("trainer.compile=yes", "trainer.compile"),
+        ("trainer.compile=true attention.backend=flex", "trainer.compile"),
         ("optim.lr=0", "optim.lr"),
         ("optim.betas=[0.9]", "optim.betas"),
         ("optim.warmup_steps=-1", "optim.warmup_steps"),
@@ -72,7 +74,7 @@ def test_paper_preset_is_the_papers_model(tmp_path):
     ],
 )
 def test_bad_config_is_refused_with_its_key(override, key, tmp_path, corpus_file):
-    cfg = compose_train(TINY + [override], tmp_path, corpus_file)
+    cfg = compose_train(TINY + override.split(), tmp_path, corpus_file)  # a space separates two overrides
     with pytest.raises(ConfigError) as err:
         check_config(cfg)
     assert err.value.key == key and key in str(err.value)
