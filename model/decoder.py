@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
@@ -73,7 +74,12 @@ class Decoder(nn.Module):
 
     def compile_blocks(self, **options) -> None:
         """torch.compile every decoder block in place (fullgraph; state-dict names unchanged), as torchtitan does:
-        blocks share one graph, and the Triton attention enters it as an opaque custom op."""
+        blocks share one graph, and the Triton attention enters it as an opaque custom op.
+
+        Call the blocks through this Decoder, which draws pi before them: a compiled block given no pi would have to
+        draw it inside the graph (host-side seeding), which fullgraph refuses."""
+        if self.attn_cfg.backend in ("auto", "triton") and importlib.util.find_spec("triton") is not None:
+            import kernels.triton_band  # noqa: F401  registers the custom ops before any tracing starts
         for block in self.blocks:
             block.compile(fullgraph=True, **options)
 

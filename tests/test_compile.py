@@ -16,6 +16,7 @@ from model.decoder import Decoder
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()  # every test compiles from scratch: no cache limit reached by earlier tests
+    torch._dynamo.utils.counters.clear()
     yield
     torch._dynamo.reset()
 
@@ -53,6 +54,7 @@ def test_compiled_blocks_match_the_eager_model(kind, backend):
         assert_close(got_logits, want_logits, f"logits, step {step}")
         for (name, _), got, want in zip(eager.named_parameters(), got_grads, want_grads):
             assert_close(got, want, f"grad of {name}, step {step}")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile (no silent eager run)
     eager.eval(), compiled.eval()
     with torch.no_grad():
         assert_close(compiled(tokens), eager(tokens), "logits in eval mode")
