@@ -2,7 +2,8 @@
 # Everything GPU-side in one call (a GPU lease is short): kernel tests on the GPU, the attention benchmark (the
 # issue's B=1 H=16 shape, then the paper-like batch of 8), and whole-model training throughput. From the repo root:
 #     OUT=bench/results/gpu_session bash bench/gpu_session.sh
-# With a baseline for the A/B stage (~9.75 min in all; on a lent machine whose $OUT comes back):
+# With a baseline for the A/B stage (~9.75 min for stages 1-6, stage 7 takes what is left of a 595 s run; on a
+# lent machine whose $OUT comes back):
 #     D=$OUT; OUT=/tmp/gs PACK=$D/gpu_session.tgz BASELINE=.baseline bash bench/gpu_session.sh 2>&1 | tee $D/stdout.log
 # Each stage has its own time limit, so a slow stage cannot starve the later ones. Logs and CSVs go to $OUT and,
 # after every stage, into one archive $OUT.tgz (a lease returns few files; a run stopped mid-way keeps what it had).
@@ -67,4 +68,8 @@ pack
 echo "== 6. whole model: 360M decoder, B=8, n=2048, bf16 autocast, fwd+bwd per variant"
 timeout "${MODEL_TIMEOUT:-45}" $PY -m bench.model --model 360m --batch 8 --out "$OUT" 2>&1 | tee "$OUT/model.log" \
     | grep -v "^{"
+pack
+echo "== 7. whole model with compiled blocks (trainer.compile), gated SA+SWA eager vs compiled; uses what time is left"
+timeout "${MODEL_COMPILE_TIMEOUT:-90}" $PY -m bench.model --model 360m --batch 8 --variants gated_sa_swa --compile \
+    --out "$OUT/compiled" 2>&1 | tee "$OUT/model_compiled.log" | grep -v "^{"
 pack
