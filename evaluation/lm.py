@@ -6,7 +6,7 @@ CLI; inside Python, ``import evaluation.lm`` is enough (or pass an ``SALM`` inst
 
 Scoring conventions (same as lm-eval's HFLM):
 * loglikelihood: context and continuation are tokenized together and split where the context's tokens end
-  (TemplateLM._encode_pair); an empty context is replaced by the EOS token. The model reads
+  (TemplateLM._encode_pair); a context that encodes to no tokens is replaced by the EOS token. The model reads
   ``(context + continuation)[-(max_length + 1):][:-1]``: logits at position i predict token i + 1, so the last
   ``len(continuation)`` logits score the continuation, and a context too long for the model loses its left end.
   (A continuation longer than max_length, where HFLM refuses, is scored in consecutive max_length pieces.)
@@ -160,7 +160,10 @@ class SALM(TemplateLM):
         for index, (_, context_enc, continuation_enc) in enumerate(requests):
             if not continuation_enc:
                 raise ValueError("empty continuation: nothing to score")
-            context_enc, continuation_enc = list(context_enc), list(continuation_enc)
+            # A context that encodes to nothing (lm-eval moves a whitespace-only context's spaces into the
+            # continuation) is conditioned on EOS, like an empty one; otherwise the first token would be read off
+            # whatever sits at the row's last slot (a pad, in a batch).
+            context_enc, continuation_enc = list(context_enc) or [self.prefix_token_id], list(continuation_enc)
             # A continuation longer than the model's context is scored in consecutive pieces of max_length tokens,
             # each conditioned on as much preceding text as fits (lm-eval's HFLM refuses such requests).
             for piece in range(0, len(continuation_enc), self.max_length):
@@ -232,7 +235,7 @@ class SALM(TemplateLM):
             context, gen_kwargs = req.args
             gen_kwargs = dict(gen_kwargs or {})
             until = gen_kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
+            until = [stop for stop in ([until] if isinstance(until, str) else until) if stop]  # "" is in any text
             max_gen = int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks))
             if gen_kwargs.get("do_sample") or float(gen_kwargs.get("temperature", 0.0) or 0.0) > 0:
                 log.warning("sa-lm decodes greedily; ignoring sampling arguments %s", gen_kwargs)
@@ -262,8 +265,7 @@ class SALM(TemplateLM):
             for i, (index, _, until, _) in enumerate(chunk):
                 text = texts[i]
                 for stop in until:
-                    if stop:
-                        text = text.split(stop)[0]
+                    text = text.split(stop)[0]
                 outputs[index] = text
                 self.cache_hook.add_partial("generate_until", requests[index].args, text)
         return outputs  # type: ignore[return-value]

@@ -114,10 +114,14 @@ def markdown_table(rows: list[tuple[str, dict, dict | None]], seeds: int, tasks:
     extra = [t for t in tasks if t not in {c.task for c in COLUMNS}]
     header = ["Model", *[c.title for c in columns], *extra, "Avg ↑"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    wanted = sum(c.accuracy for c in columns)
     for label, combined, avg in rows:
         cells = [_cell(combined.get(c.task, {}).get(c.metric), c.accuracy, seeds) for c in columns]
         for task in extra:
             first = next(iter(combined.get(task, {}).values()), None)
             cells.append(_cell(first, True, seeds))
-        lines.append("| " + " | ".join([label, *cells, _cell(avg, True, seeds)]) + " |")
+        mean = _cell(avg, True, seeds)
+        if avg and len(avg.get("tasks", ())) < wanted:  # an average over fewer columns is another number: say so
+            mean += f" ({len(avg['tasks'])}/{wanted} tasks)"
+        lines.append("| " + " | ".join([label, *cells, mean]) + " |")
     return "\n".join(lines)

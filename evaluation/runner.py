@@ -171,6 +171,10 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
     kind = info["attention"]["kind"]
     num_seeds = max(1, int(cfg["num_seeds"]))
     notes: list[str] = []
+    trained = dict(lm.loaded.hparams.get("attention", {}))
+    if kind != "full" and trained.get("window") not in (None, info["attention"]["window"]):
+        notes.append(f"window {info['attention']['window']} (trained with {trained['window']}; "
+                     "attention.window=<w> sets it)")
     if kind not in STOCHASTIC_KINDS and num_seeds > 1:
         notes.append(f"attention kind={kind} is deterministic: 1 seed instead of {num_seeds}")
         num_seeds = 1

@@ -232,6 +232,7 @@ def direct_loglikelihood(loaded, context: str, continuation: str) -> tuple[float
         whole = tok.encode(context + continuation).ids
         assert whole[: len(ctx)] == ctx, "test strings must tokenize with a clean boundary"
         cont = whole[len(ctx):]
+        ctx = ctx or [loaded.eos_id]  # a context of spaces only encodes to nothing: conditioned on EOS
     else:
         ctx, cont = [loaded.eos_id], tok.encode(continuation).ids
     total, greedy = 0.0, True
@@ -275,6 +276,7 @@ def test_loglikelihood_matches_direct_computation(salm, loaded):
     pairs = [("The value of the attribute is", " returned"),
              ("", "An empty context is replaced by the end-of-text token."),
              ("Trailing spaces move to the continuation ", "here"),
+             ("  ", "Only spaces came before this"),  # no context token left: EOS, not the row's last slot
              (long_context, " and then"),
              (w.sentence(5), " " + w.sentence(4)),
              ("A", " " + " ".join(w.word() for _ in range(70))),  # continuation longer than the context window
@@ -327,10 +329,11 @@ def test_rolling_loglikelihood_matches_direct_computation(salm, loaded):
 
 def test_generate_until_is_greedy_and_stops(salm, loaded):
     args = [("The value of the", {"until": ["\n"], "max_gen_toks": 6}),
-            ("Return the", {"until": [" the"], "max_gen_toks": 20, "do_sample": False})]
+            ("Return the", {"until": [" the"], "max_gen_toks": 20, "do_sample": False}),
+            ("Return the", {"until": ["", " the"], "max_gen_toks": 20})]  # "" would match any text: ignored
     out = salm.generate_until(requests("generate_until", args))
-    assert len(out) == 2 and all(isinstance(o, str) for o in out)
-    assert " the" not in out[1]
+    assert len(out) == 3 and all(isinstance(o, str) for o in out)
+    assert " the" not in out[1] and out[2] == out[1]
     # Greedy continuation of the first prompt, token by token, directly.
     ids = loaded.tokenizer.encode("The value of the").ids
     gen = []
@@ -556,6 +559,8 @@ def test_evaluate_checkpoint_writes_json_and_table_with_seed_spread(tiny_ckpt, e
     assert (tmp_path / "out" / "lm_eval" / "seed1.json").is_file()
     assert summary["avg_acc"]["tasks"] == ["lambada_openai/acc", "lambada_standard/acc", "piqa/acc_norm",
                                            "hellaswag/acc_norm"]
+    assert "tasks)" not in table  # every accuracy column is in the average
+    assert "eval: window 4 (trained with 8" in capsys.readouterr().err
 
 
 def test_unreachable_data_is_one_line_and_not_an_error(tiny_ckpt, evaldata, tmp_path, capsys):
@@ -573,6 +578,7 @@ def test_unreachable_data_is_one_line_and_not_an_error(tiny_ckpt, evaldata, tmp_
     assert len(err) == 1 and "lambada_standard" in err[0] and "piqa" in err[0] and "fix:" in err[0]
     assert set(summary["skipped"]) == {"lambada_standard", "piqa"}
     assert summary["by_task"]["lambada_openai"]["acc"]["value"] is not None
+    assert "(1/3 tasks)" in summary["table"]  # Avg over LAMBADA alone is not the suite's Avg: the table says so
     # No data at all: still no exception, an empty result.
     nothing = evaluate_checkpoint(tiny_ckpt, {"tasks": ["piqa"], "data_dir": None}, None, tmp_path / "none")
     assert nothing["results"] == [] and "piqa" in nothing["skipped"]
@@ -595,6 +601,18 @@ def test_evaluate_py_on_a_run_directory(tiny_ckpt, evaldata, tmp_path):
     saved = json.loads((out / "results.json").read_text())
     assert saved["attention"]["backend"] == "torch" and saved["limit"] == 3
     assert (out / ".hydra" / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("preset", ["full", "swa", "sa", "gated_sa_swa", "moba"])
+def test_every_attention_preset_resolves_in_the_evaluate_config(preset):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="evaluate", overrides=[f"attention={preset}", "ckpt=x.ckpt"])
+    assert OmegaConf.to_container(cfg.attention, resolve=True)["kind"] == preset
 
 
 def test_gates_asked_of_an_ungated_checkpoint_are_a_config_error(tiny_ckpt):
