@@ -53,7 +53,8 @@ class SALM(TemplateLM):
 
     model_args: checkpoint=<.ckpt or run dir> (required unless `loaded` is given), kind, window, backend, eval_seed
     (override the trained attention config), batch_size, device (auto|cpu|cuda[:i]), max_length (<= the model's
-    context), dtype (float32 | bfloat16 | float16; default float32).
+    context), dtype (float32 | bfloat16 | float16; default float32; half precision runs as training's bf16-mixed
+    did: fp32 weights, matmuls under autocast, so the model is never cast).
     """
 
     def __init__(self, checkpoint: str | None = None, kind: str | None = None, window: int | None = None,
@@ -81,7 +82,6 @@ class SALM(TemplateLM):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.dtype = DTYPES[dtype]
-        self.model.to(self.dtype)
         self.tokenizer = loaded.tokenizer
         self._eot = int(loaded.eos_id)
         context = int(self.model.cfg.max_seq_len)
@@ -147,12 +147,16 @@ class SALM(TemplateLM):
             tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         return tokens.to(self._device), lengths.to(self._device)
 
+    def _precision(self):
+        return torch.autocast(self._device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
     @torch.no_grad()
     def _last_logits(self, rows: list[list[int]]) -> torch.Tensor:
         """Logits [B, V] of the last real position of each row (the next-token distribution)."""
         tokens, lengths = self._batch(rows)
-        hidden = self.model.hidden_states(tokens, lengths)
-        return self.model.lm_head(hidden[torch.arange(len(rows), device=hidden.device), lengths - 1])
+        with self._precision():
+            hidden = self.model.hidden_states(tokens, lengths)
+            return self.model.lm_head(hidden[torch.arange(len(rows), device=hidden.device), lengths - 1]).float()
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """requests: [(key, context_enc, continuation_enc)] -> [(sum log p(continuation | context), is_greedy)]."""
@@ -182,7 +186,7 @@ class SALM(TemplateLM):
         for start in tqdm(range(0, len(unique), self.batch_size), desc="sa-lm batches", disable=disable_tqdm,
                           mininterval=10):
             chunk = unique[start: start + self.batch_size]
-            with torch.no_grad():
+            with torch.no_grad(), self._precision():
                 hidden = self.model.hidden_states(*self._batch(chunk))
                 # the head and log-softmax only where a scored token is predicted: hidden state at position
                 # end - len(cont) + t predicts cont[t]

@@ -318,6 +318,20 @@ def test_scores_do_not_depend_on_batching(loaded):
         assert a == pytest.approx(b, abs=1e-4)
 
 
+def test_half_precision_runs_under_autocast_and_leaves_the_model_in_fp32(loaded):
+    """dtype=bfloat16 evaluates as bf16-mixed training ran (fp32 weights, autocast), and never casts the caller's
+    model."""
+    from evaluation.lm import SALM
+
+    pairs = [(Words(s).passage(1), " " + Words(s + 3).word()) for s in range(3)]
+    fp32 = SALM(loaded=loaded, batch_size=3, device="cpu").loglikelihood(requests("loglikelihood", pairs))
+    bf16 = SALM(loaded=loaded, batch_size=3, device="cpu", dtype="bfloat16").loglikelihood(
+        requests("loglikelihood", pairs))
+    assert all(p.dtype == torch.float32 for p in loaded.model.parameters())
+    for (a, _), (b, _) in zip(fp32, bf16):
+        assert b == pytest.approx(a, rel=0.05) and b != a  # close, and not the fp32 numbers: autocast ran
+
+
 def test_rolling_loglikelihood_matches_direct_computation(salm, loaded):
     w = Words(4)
     texts = [w.passage(12), w.sentence(3), w.passage(5)]  # several windows, one window, a few
