@@ -74,38 +74,73 @@ def main(cfg: DictConfig):
 
 
 def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path):
-    """A pretrained HuggingFace model with SA / SWA / MoBA at prefill (weights untouched), through lm-eval's HFLM."""
+    """A pretrained HuggingFace model with SA / SWA / MoBA at prefill (weights untouched), through lm-eval's HFLM.
+
+    SA with eval.num_seeds=K loads the model once and re-patches it with K permutation seeds; results.json holds
+    the first seed's lm-eval output plus every seed's scores, results.md the mean (and spread) over seeds."""
     import json
+    import statistics
 
     from lm_eval.utils import handle_non_serializable
 
     from data.shards import atomic_write_text
     from hf.lm_eval_runner import evaluate_hf, primary_scores
+    from hf.patch import load_hf_model
 
     kind = attention.get("kind", "full")
     if kind not in ("full", "swa", "sa", "moba"):
         print(f"error: attention.kind={kind!r} is not available for HuggingFace models (full, swa, sa, moba)",
               file=sys.stderr)
         sys.exit(2)
-    results = evaluate_hf(name, kind, attention.get("window"), eval_cfg["tasks"],
-                          batch_size=eval_cfg.get("batch_size", 8), limit=eval_cfg.get("limit"),
-                          device=eval_cfg.get("device", "auto"), seed=attention.get("eval_seed", 0),
-                          dtype=eval_cfg.get("dtype", "auto"), backend=attention.get("backend", "auto"),
-                          data_dir=eval_cfg.get("data_dir"), max_length=eval_cfg.get("max_length"),
-                          bootstrap_iters=eval_cfg.get("bootstrap_iters", 1000))
+    num_seeds = max(1, int(eval_cfg.get("num_seeds") or 1))
+    if kind != "sa" and num_seeds > 1:
+        print(f"eval: attention kind={kind} is deterministic: 1 seed instead of {num_seeds}", file=sys.stderr)
+        num_seeds = 1
+    first = int(attention.get("eval_seed", 0))
+    seeds = list(range(first, first + num_seeds))
+    window, backend = attention.get("window"), attention.get("backend", "auto")
+    model, tokenizer = load_hf_model(name, kind, window, seed=first, backend=backend,
+                                     dtype=eval_cfg.get("dtype", "auto"), device=eval_cfg.get("device", "auto"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out_dir / "results.json", json.dumps(results, indent=1, default=handle_non_serializable))
-    scores = primary_scores(results)
+    per_seed = []
+    for seed in seeds:  # evaluate_hf re-patches the loaded model with this seed
+        results = evaluate_hf(name, kind, window, eval_cfg["tasks"], batch_size=eval_cfg.get("batch_size", 8),
+                              limit=eval_cfg.get("limit"), seed=seed, backend=backend,
+                              data_dir=eval_cfg.get("data_dir"), max_length=eval_cfg.get("max_length"),
+                              bootstrap_iters=eval_cfg.get("bootstrap_iters", 1000), model=model, tokenizer=tokenizer)
+        per_seed.append(results)
+        if num_seeds > 1:
+            atomic_write_text(out_dir / "lm_eval" / f"seed{seed}.json",
+                              json.dumps(results, indent=1, default=handle_non_serializable))
+    runs = [{**primary_scores(r), **_perplexities(r)} for r in per_seed]
+    summary = {**per_seed[0], "seeds": seeds, "scores_per_seed": runs}
+    atomic_write_text(out_dir / "results.json", json.dumps(summary, indent=1, default=handle_non_serializable))
+
+    def cell(key: str) -> str:
+        values = [run[key] for run in runs if key in run]
+        digits = 3 if "perplexity" in key else 1  # perplexities as before; accuracies in %
+        spread = f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
+        return f"{statistics.fmean(values):.{digits}f}{spread}"
+
+    scores = primary_scores(per_seed[0])
     lines = ["| model | attention | w_eff | " + " | ".join(scores) + " |", "|---|---|---|" + "---|" * len(scores),
-             f"| {name} | {kind} | {attention.get('window', '-')} | "
-             + " | ".join(f"{v:.1f}" for v in scores.values()) + " |"]
-    for task, metrics in (results.get("results") or {}).items():
-        for key in ("perplexity,none", "word_perplexity,none"):
-            if isinstance(metrics.get(key), (int, float)):
-                lines.append(f"{task} {key.split(',')[0]}: {metrics[key]:.3f}")
+             f"| {name} | {kind} | {window or '-'} | " + " | ".join(cell(task) for task in scores) + " |"]
+    lines += [f"{key.replace('/', ' ')}: {cell(key)}" for key in _perplexities(per_seed[0])]
+    if num_seeds > 1:
+        lines.append(f"mean ± std over SA seeds {seeds}")
     atomic_write_text(out_dir / "results.md", "\n".join(lines) + "\n")
     print("\n".join(lines) + f"\nresults: {out_dir / 'results.json'}")
     return None
+
+
+def _perplexities(results: dict) -> dict[str, float]:
+    """{"<task>/<perplexity metric>": value} of an lm-eval results dict."""
+    out = {}
+    for task, metrics in (results.get("results") or {}).items():
+        for key in ("perplexity,none", "word_perplexity,none"):
+            if isinstance(metrics.get(key), (int, float)):
+                out[f"{task}/{key.split(',')[0]}"] = float(metrics[key])
+    return out
 
 
 if __name__ == "__main__":

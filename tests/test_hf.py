@@ -314,6 +314,7 @@ def test_evaluate_py_runs_a_patched_hf_model_offline(saved_model, tmp_path):
     res = subprocess.run(
         [sys.executable, str(root / "evaluate.py"), f"model.hf={saved_model[0]}", "attention=sa",
          "attention.window=8", "eval=quick", f"eval.data_dir={evaldata}", "eval.limit=3", "eval.device=cpu",
+         "eval.num_seeds=2",
          f"eval.task_dir={tmp_path / 'tasks'}", f"out_dir={tmp_path / 'out'}"],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
@@ -321,3 +322,8 @@ def test_evaluate_py_runs_a_patched_hf_model_offline(saved_model, tmp_path):
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["sa_prefill"]["kind"] == "sa" and results["sa_prefill"]["window"] == 8
     assert "lambada_openai" in results["results"] and "wikitext" in results["results"]
+    # two SA seeds: each scored, and they differ (another pi per seed); the table shows mean and spread
+    assert results["seeds"] == [0, 1] and len(results["scores_per_seed"]) == 2
+    first, second = results["scores_per_seed"]
+    assert first["lambada_openai/perplexity"] != second["lambada_openai/perplexity"]
+    assert "±" in (tmp_path / "out" / "results.md").read_text()
