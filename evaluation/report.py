@@ -117,9 +117,9 @@ def markdown_table(rows: list[tuple[str, dict, dict | None]], seeds: int, tasks:
     wanted = sum(c.accuracy for c in columns)
     for label, combined, avg in rows:
         cells = [_cell(combined.get(c.task, {}).get(c.metric), c.accuracy, seeds) for c in columns]
-        for task in extra:
-            first = next(iter(combined.get(task, {}).values()), None)
-            cells.append(_cell(first, True, seeds))
+        for task in extra:  # a task outside the paper's columns: its first metric, in % unless it is a perplexity
+            metric, entry = next(iter(combined.get(task, {}).items()), ("", None))
+            cells.append(_cell(entry, not any(word in metric for word in ("perplexity", "bits_per_byte")), seeds))
         mean = _cell(avg, True, seeds)
         if avg and len(avg.get("tasks", ())) < wanted:  # an average over fewer columns is another number: say so
             mean += f" ({len(avg['tasks'])}/{wanted} tasks)"

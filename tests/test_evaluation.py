@@ -262,6 +262,16 @@ def requests(kind: str, args: list[tuple]):
 
 
 # ---------------------------------------------------------------------------------------------- the model class
+def test_table_shows_extra_tasks_as_percent_only_when_they_are_accuracies():
+    from evaluation.report import markdown_table
+
+    combined = {"boolq": {"acc": {"value": 0.625, "std": 0.0}},
+                "my_ppl_task": {"word_perplexity": {"value": 31.5, "std": 0.0}},
+                "lambada_openai": {"acc": {"value": 0.25, "std": 0.0}}}
+    row = markdown_table([("sa", combined, None)], 1, ["lambada_openai", "boolq", "my_ppl_task"]).splitlines()[-1]
+    assert "| 25.0 |" in row and "| 31.50 |" in row  # LAMBADA acc in %, the extra perplexity as is
+
+
 def test_sa_lm_is_registered_with_lm_eval():
     import evaluation.lm
     from lm_eval.api.registry import get_model
