@@ -288,6 +288,11 @@ def train(cfg: DictConfig) -> dict:
         trainer.validate(module, datamodule=datamodule, verbose=False) if ckpt is None else None
         start_loss = trainer.callback_metrics.get("val/loss")
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+        if trainer.global_step % int(cfg.trainer.checkpoint_every_n_steps):
+            # ModelCheckpoint writes last.ckpt at train end only when the fit saved nothing: after step 28000 of
+            # 28610, last.ckpt would hold step 28000 while val/loss and eval.after_train speak of step 28610.
+            for name in (f"step{trainer.global_step:07d}.ckpt", "last.ckpt"):
+                trainer.save_checkpoint(ckpt_dir / name)
         if trainer.global_step % int(cfg.trainer.val_every_n_steps):  # the final weights get a validation too
             trainer.validate(module, datamodule=datamodule, verbose=False)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -201,6 +201,16 @@ def test_triton_backend_trains_like_torch_backend(attention, tmp_path, corpus_fi
         assert abs(losses["triton"][step] - value) <= 1e-4, step
 
 
+def test_last_checkpoint_holds_the_final_step_between_checkpoint_intervals(tmp_path, corpus_file, data_cache):
+    """max_steps=5 with a checkpoint every 4 steps: last.ckpt (what evaluation loads) is step 5, not step 4."""
+    cfg = compose_train(TINY + ["trainer.max_steps=5", "trainer.val_every_n_steps=5",
+                                "trainer.checkpoint_every_n_steps=4"], tmp_path / "run", corpus_file, data_cache)
+    train(cfg)
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    for name, step in (("last.ckpt", 5), ("step0000005.ckpt", 5), ("step0000004.ckpt", 4)):
+        assert torch.load(ckpt_dir / name, weights_only=True, map_location="cpu")["global_step"] == step, name
+
+
 def test_compiled_training_reproduces_eager_losses(tmp_path, corpus_file, data_cache):
     """trainer.compile=true (each block one compiled graph) trains like the eager model; its checkpoint loads into
     an uncompiled decoder (parameter names unchanged)."""
