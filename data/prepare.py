@@ -23,7 +23,7 @@ from data import shards, sources
 from data.tokenizer import eos_id, load_tokenizer, tokenizer_hash, train_bpe
 from model.config import ConfigError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: max_tokens is checked after every document (1 overshot by up to 256 documents)
 
 
 @dataclass
@@ -123,7 +123,7 @@ def exclusive_lock(path: Path, waiting_message: str):
     try:
         import fcntl
 
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # NFS grants an exclusive flock only to a writer
     except (ImportError, OSError) as err:
         print(f"warning: no lock at {path} ({err}); concurrent runs may prepare the same data", file=sys.stderr)
         yield
@@ -189,6 +189,8 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
             if not batch:
                 break
             for ids in tok.encode_batch(batch):
+                if max_tokens and counts["train"] + counts["val"] >= max_tokens:
+                    break  # the limit holds to a document, not to a batch of 256
                 arr = np.asarray(ids.ids + [eos], dtype=dtype)
                 is_val = _is_val(counts["documents"], cfg["val_fraction"])
                 (val_buf if is_val else train_buf).append(arr)

@@ -56,6 +56,15 @@ def test_truncated_or_foreign_shard_is_refused(tmp_path):
         shards.read_shard(tmp_path / "foreign.bin")
 
 
+def test_max_tokens_stops_within_one_document_of_the_limit(tmp_path, corpus_file):
+    """max_tokens holds to a document: the corpus (400 documents) is cut after the document that reaches it."""
+    prepared = prepare(data_cfg([corpus_file], max_tokens=3000), tmp_path, progress=False)
+    counts = prepared.meta["tokens"]
+    longest = max(len(json.loads(line)["text"]) for line in corpus_file.read_text().splitlines())
+    assert 3000 <= counts["train"] + counts["val"] < 3000 + longest + 1  # at most one document past the limit
+    assert counts["documents"] < 256  # a batch of 256 documents would overshoot far more
+
+
 def test_local_file_formats(tmp_path):
     (tmp_path / "a.txt").write_text("first document\nwith two lines")
     with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
