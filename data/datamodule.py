@@ -77,8 +77,10 @@ class RandomWindows(Dataset):
 
 
 class FixedWindows(Dataset):
-    """Non-overlapping windows from the start of the validation shard, the same set in every run: consecutive ones, or
-    with `start="document"` (like the training windows) each opening at the next document start after the last."""
+    """Non-overlapping validation windows, the same set in every run, spread evenly over the whole validation shard
+    (the first ones alone could all come from one book). Candidates are consecutive windows, or with
+    `start="document"` (like the training windows) each opening at the next document start after the last; up to
+    `max_windows` of them are taken at even strides."""
 
     def __init__(self, shard_path: Path, seq_len: int, max_windows: int, start: str = "any",
                  eos_id: int | None = None):
@@ -87,13 +89,13 @@ class FixedWindows(Dataset):
         if start == "document":
             offsets, free = [], 0
             for s in document_starts(tokens, eos_id, seq_len):
-                if len(offsets) == max_windows:
-                    break
                 if s >= free:
                     offsets.append(int(s))
                     free = s + seq_len
         else:
-            offsets = [i * seq_len for i in range(min(max_windows, (tokens.size - 1) // seq_len))]
+            offsets = [i * seq_len for i in range((tokens.size - 1) // seq_len)]
+        if len(offsets) > max_windows:
+            offsets = [offsets[i * len(offsets) // max_windows] for i in range(max_windows)]
         if not offsets:
             where = " starting where a document begins" if start == "document" else ""
             raise ValueError(f"validation shard {shard_path} holds no window of seq_len + 1 = {seq_len + 1} tokens"

@@ -130,8 +130,12 @@ def test_windows_are_deterministic_by_seed_index_rank(tmp_path, corpus_file):
     assert (ds[5] == RandomWindows(prepared.train_shards, 32, 4, 0, 0, 100)[5]).all()
     assert not (ds[5] == ds[6]).all()
     assert not (ds[5] == RandomWindows(prepared.train_shards, 32, 4, 0, 1, 100)[5]).all()
+    size = shards.read_shard(prepared.val_shard).size
     val = FixedWindows(prepared.val_shard, seq_len=32, max_windows=3)
-    assert len(val) == 3 and (val[1][0] == val[0][-1])  # consecutive windows share their boundary token
+    every = FixedWindows(prepared.val_shard, seq_len=32, max_windows=10**6)
+    assert len(every) == (size - 1) // 32 > 3 and (every[1][0] == every[0][-1])  # consecutive: a shared boundary
+    picked = [i * len(every) // 3 for i in range(3)]
+    assert len(val) == 3 and all((val[i] == every[j]).all() for i, j in enumerate(picked))  # spread over the shard
 
 
 def test_document_windows_open_where_a_document_begins(tmp_path):
