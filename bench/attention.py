@@ -11,7 +11,9 @@ A backend whose output or gradients disagree with the dense reference on a small
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import itertools
 import os
 import statistics
 import sys
@@ -46,14 +48,38 @@ def time_call(fn, device, reps: int, grads=(), graphs: bool = False) -> float:
     return statistics.median(times) * 1e3
 
 
-def peak_memory_mb(fn, device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+def peak_memory_mb(fn, device) -> float:
+    """MiB allocated at the call's peak above what was allocated before it. CUDA: the caching allocator's statistics;
+    CPU (PyTorch keeps no CPU allocator statistics): the running sum of the profiler's allocation records, in time
+    order, over every thread."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]")
+    return max(itertools.accumulate((nbytes for _, nbytes in records), initial=0)) / 2**20
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2: the profiler's C++ side logs two lines per use. The call was timed before, so
+    any warning of its own has been shown; an exception still propagates after stderr is back."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def correctness_ok(backend: str, device, dtype, heads: int = 16, head_dim: int = 64) -> tuple[bool, str]:
@@ -199,6 +225,27 @@ def ratios_table(rows) -> str:
     return "\n".join(lines)
 
 
+def memory_table(rows) -> str:
+    """Markdown: peak MiB of one call per (n, backend) and variant (forward + backward where timed, else forward)."""
+    peak = {(r["n"], r["variant"], r["backend"]): r["peak_mb"] for r in rows}
+    lines = ["| n | backend | full (SDPA) MiB | SWA MiB | SA MiB | gated MiB | SA / full |",
+             "|---|---|---|---|---|---|---|"]
+    for n in sorted({r["n"] for r in rows}):
+        for backend in sorted({r["backend"] for r in rows if r["backend"] != "sdpa"}):
+            full = peak.get((n, "full", "sdpa"))
+            swa, sa, gated = (peak.get((n, v, backend)) for v in ("swa", "sa", "gated_sa_swa"))
+            if sa is None and swa is None and gated is None:
+                continue
+            cells = " | ".join(_fmt(x, ".0f") for x in (full, swa, sa, gated))
+            lines.append(f"| {n} | {backend} | {cells} | {_fmt(sa / full if full and sa is not None else None, '.2f')} |")
+    return "\n".join(lines)
+
+
+def report(rows) -> str:
+    """The markdown the benchmark prints and writes: the latency ratios, then the peak memory."""
+    return f"{ratios_table(rows)}\n\nPeak memory of one call:\n\n{memory_table(rows)}"
+
+
 def write_csv(rows, path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -256,7 +303,7 @@ def main():
     tag = f"{'gpu' if cuda else 'cpu'}_{args.dtype}{'_graphs' if args.graphs else ''}"
     rows = run(args, args.out / f"attention_{tag}.csv")
     save(rows, args.out, tag)
-    table = ratios_table(rows)
+    table = report(rows)
     print(f"\n{table}\n\nthreads={torch.get_num_threads()} torch={torch.__version__} "
           f"csv/png: {args.out}/attention_{tag}.*")
     (args.out / f"attention_{tag}.md").write_text(table + "\n")

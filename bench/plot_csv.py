@@ -1,4 +1,4 @@
-"""Redraw the PNG plot and markdown ratio table of an attention benchmark CSV (e.g. one copied back from a GPU).
+"""Redraw the PNG plot and markdown tables (ratios, peak memory) of an attention benchmark CSV (e.g. one copied back from a GPU).
 
     python -m bench.plot_csv bench/results/attention_gpu_bf16.csv
 """
@@ -9,7 +9,7 @@ import csv
 import sys
 from pathlib import Path
 
-from bench.attention import ratios_table, save
+from bench.attention import report, save
 
 
 def load(path: Path) -> list[dict]:
@@ -29,7 +29,7 @@ def main():
     rows = load(path)
     tag = path.stem.removeprefix("attention_")
     save(rows, path.parent, tag)
-    table = ratios_table(rows)
+    table = report(rows)
     (path.parent / f"attention_{tag}.md").write_text(table + "\n")
     print(table)
 

@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from bench.attention import peak_memory_mb
 from bench.kernel_schedule import cuobjdump_path
 from conftest import ROOT
 
@@ -28,10 +30,21 @@ def test_attention_benchmark_writes_table_csv_and_plot(tmp_path):
     rows = list(csv.DictReader(open(out / "attention_cpu_fp32.csv")))
     assert {(r["n"], r["variant"]) for r in rows} == {(n, v) for n in ("64", "96")
                                                       for v in ("full", "swa", "sa", "gated_sa_swa")}
-    assert all(float(r["fwd_ms"]) > 0 and float(r["fwd_bwd_ms"]) > 0 for r in rows)
+    assert all(float(r["fwd_ms"]) > 0 and float(r["fwd_bwd_ms"]) > 0 and float(r["peak_mb"]) > 0 for r in rows)
     assert (out / "attention_cpu_fp32.png").stat().st_size > 0
     table = (out / "attention_cpu_fp32.md").read_text()
-    assert table.count("| 64 | torch |") == 2 and table.count("| 96 | torch |") == 2
+    assert table.count("| 64 | torch |") == 3 and table.count("| 96 | torch |") == 3  # fwd, fwd+bwd, memory
+
+
+def test_cpu_peak_memory_is_the_largest_live_total_during_the_call():
+    def call():
+        a = torch.empty(2**20)  # 4 MiB
+        b = torch.empty(2**21)  # 8 MiB more: 12 MiB live
+        del a
+        c = torch.empty(2**19)  # 2 MiB more: 10 MiB live, under the peak
+        return b, c
+
+    assert peak_memory_mb(call, torch.device("cpu")) == pytest.approx(12, abs=0.05)
 
 
 def test_attention_benchmark_subset_of_variants(tmp_path):
