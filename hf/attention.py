@@ -71,7 +71,9 @@ class PrefillSettings:
 
 # ---------------------------------------------------------------------------------------------------------- padding
 
-_layout_cache: tuple | None = None  # (weakref to the last mask, batch, n, result): every layer gets the same mask
+# (weakref to the last mask, its version, batch, n, result): every layer gets the same mask; the version counter
+# tells a mask buffer rewritten in place from the one measured
+_layout_cache: tuple | None = None
 
 
 def sequence_layout(attention_mask: torch.Tensor | None, batch: int, n: int):
@@ -84,11 +86,11 @@ def sequence_layout(attention_mask: torch.Tensor | None, batch: int, n: int):
     if attention_mask is None:
         return None, None
     cached = _layout_cache
-    if cached is not None and cached[0]() is attention_mask and cached[1:3] == (batch, n):
-        return cached[3]
+    if cached is not None and cached[0]() is attention_mask and cached[1:4] == (attention_mask._version, batch, n):
+        return cached[4]
     result = _sequence_layout(attention_mask, batch, n)
     try:
-        _layout_cache = (weakref.ref(attention_mask), batch, n, result)
+        _layout_cache = (weakref.ref(attention_mask), attention_mask._version, batch, n, result)
     except TypeError:  # not weak-referenceable: just don't cache
         _layout_cache = None
     return result
@@ -106,7 +108,11 @@ def _sequence_layout(mask: torch.Tensor, batch: int, n: int):
         if keep.shape[1] > 1 and not bool((keep == keep[:, :1]).all()):
             raise ValueError("sa_prefill: per-head attention masks are not supported")
         rows = keep[:, 0]
-        valid = rows[:, -1, :]  # the last query sees every real key at or before it: the real tokens of the row
+        # A real token sees itself; a pad query sees nothing, or everything (the old torch fix for an empty row;
+        # a real row of length n sees everything only as the last slot). So the diagonal gives the real tokens
+        # whether or not the mask also hides the pad queries of a right-padded row.
+        pos = torch.arange(n, device=rows.device)
+        valid = rows.diagonal(dim1=-2, dim2=-1) & ~(rows.all(-1) & (pos < n - 1))
     else:
         raise ValueError(f"attention mask must be 2D or 4D, got shape {tuple(mask.shape)}")
     if valid.shape[0] == 1 and batch > 1:

@@ -3,7 +3,7 @@
     from hf import load_hf_model, patch_model
     model, tok = load_hf_model("Qwen/Qwen3-8B", kind="sa", window=128, seed=0, dtype="bfloat16")
     patch_model(model, kind="moba", window=256)     # re-patch in place (any kind, any window)
-    unpatch_model(model)                            # back to transformers' sdpa
+    unpatch_model(model)                            # back to the implementation it had before
 
 The attention function is registered in transformers' AttentionInterface (and transformers' sdpa mask builder in
 AttentionMaskInterface) under the name "sa_prefill"; the model's config selects it (model.set_attn_implementation).
@@ -60,14 +60,19 @@ def patch_model(model, kind: str, window: int | None = None, seed: int = 0, back
     for module in layers:
         module.sa_prefill = settings
     model.sa_prefill = settings
+    current = getattr(model.config, "_attn_implementation", None)
+    if current != ATTN_NAME:  # re-patching keeps the implementation the model had before the first patch
+        model._attn_before_sa_prefill = current or "sdpa"
     _set_attn_implementation(model, ATTN_NAME)
     return model
 
 
-def unpatch_model(model, attn_implementation: str = "sdpa"):
-    """Back to a stock attention implementation (the settings stay on the modules but are not used)."""
-    _set_attn_implementation(model, attn_implementation)
-    model.sa_prefill = None
+def unpatch_model(model, attn_implementation: str | None = None):
+    """Back to the attention implementation the model had before `patch_model` (or `attn_implementation`)."""
+    _set_attn_implementation(model, attn_implementation or getattr(model, "_attn_before_sa_prefill", "sdpa"))
+    for module in model.modules():
+        if getattr(module, "sa_prefill", None) is not None:
+            module.sa_prefill = None
     return model
 
 

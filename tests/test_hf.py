@@ -56,7 +56,7 @@ def ids():
 
 def _logits(model, ids, kind=None, window=None, attention_mask=None, **kw):
     if kind is None:
-        unpatch_model(model)
+        unpatch_model(model, "sdpa")
     else:
         patch_model(model, kind, window, **kw)
     with torch.no_grad():
@@ -185,6 +185,16 @@ def test_sequence_layout_reads_and_refuses_masks():
     assert starts.tolist() == [0, 0] and lengths == [4, 6]
     assert sequence_layout(mask4d[1:].expand(2, 1, 6, 6).clone(), 2, 6) == (None, None)  # no padding
     assert sequence_layout(None, 2, 6) == (None, None)
+    # a hand-built mask that also hides the pad queries of a right-padded row reads the same
+    hidden_pads = (causal[None] & valid[:, None, :] & valid[:, :, None])[:, None]
+    assert sequence_layout(hidden_pads, 2, 6)[1] == [4, 6]
+    # a mask buffer rewritten in place is read again, not served from the cache of the last mask
+    buffer = mask4d.clone()
+    assert sequence_layout(buffer, 2, 6)[1] == [4, 6]
+    shorter = valid.clone()
+    shorter[0, 2:] = False
+    buffer.copy_((causal[None] & shorter[:, None, :])[:, None])
+    assert sequence_layout(buffer, 2, 6)[1] == [2, 6]
     holes = torch.tensor([[1, 0, 1, 1, 1, 1]], dtype=torch.bool)
     with pytest.raises(ValueError, match="contiguous"):
         sequence_layout(holes, 1, 6)
@@ -192,6 +202,20 @@ def test_sequence_layout_reads_and_refuses_masks():
     packed[3:, :3] = False  # two documents in one row
     with pytest.raises(ValueError, match="causal"):
         sequence_layout(packed[None, None], 1, 6)
+
+
+def test_unpatch_restores_the_models_own_attention(ids):
+    model = _tiny("llama")
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        expected = model(ids).logits
+    patch_model(model, "sa", 4)
+    patch_model(model, "swa", 4)  # patched twice: still back to eager, not to the first patch's sa_prefill
+    unpatch_model(model)
+    assert model.config._attn_implementation == "eager"
+    assert all(getattr(m, "sa_prefill", None) is None for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, atol=0, rtol=0)
 
 
 def test_errors_are_clear(tiny, ids):
@@ -208,7 +232,7 @@ def test_errors_are_clear(tiny, ids):
 @pytest.mark.parametrize("kind", ["swa", "sa", "moba"])
 def test_generation_prefill_patched_decode_full(tiny, ids, kind):
     prompt = ids[:, :12]
-    unpatch_model(tiny)
+    unpatch_model(tiny, "sdpa")
     expected = tiny.generate(prompt, max_new_tokens=6, do_sample=False)
     patch_model(tiny, kind, 2 * 18)  # covers prompt + generated tokens: identical to the model
     assert torch.equal(tiny.generate(prompt, max_new_tokens=6, do_sample=False), expected)
