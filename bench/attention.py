@@ -237,7 +237,8 @@ def memory_table(rows) -> str:
             if sa is None and swa is None and gated is None:
                 continue
             cells = " | ".join(_fmt(x, ".0f") for x in (full, swa, sa, gated))
-            lines.append(f"| {n} | {backend} | {cells} | {_fmt(sa / full if full and sa is not None else None, '.2f')} |")
+            ratio = _fmt(sa / full if full and sa is not None else None, ".2f")
+            lines.append(f"| {n} | {backend} | {cells} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -27,9 +27,10 @@ With answers every 20-40 tokens (`question_gap`) and the loss on the answers onl
 random filler drowns the answers' gradient and SA had not learned it after 2000 steps (RESULTS.md). The other tasks
 were not learned at that budget (with the loss on every token; not tried on answers only).
 
-Distance d = the length of the prompt AFTER the needed item (the queried pair, or the needle), in the probe's units:
-characters, or tokens of a given tokenizer. The query at the last prompt token is d positions after the item's last
-token, so an SWA stack of L layers and window w can see the item iff d <= L(w-1). Length n counts the whole prompt.
+Distance d = the length of the prompt AFTER the needed value (its last occurrence in the item: the queried pair's
+value, the pass key's second mention, the needle), in the probe's units: characters, or tokens of a given tokenizer.
+The query at the last prompt token is d positions after the value's last token, and no earlier input token carries
+the value, so an SWA stack of L layers and window w can see it iff d <= L(w-1). Length n counts the whole prompt.
 Every document is a pure function of (spec, seed, index): the same seed gives the same documents.
 
 Use:
@@ -103,9 +104,10 @@ class Probe:
     task: str
     prompt: str
     answer: str  # the text to predict after the prompt (kv, passkey: begins with a space)
-    distance: int  # units of the prompt after the needed item
+    distance: int  # units of the prompt after the needed value's last token (what the answer must reach back to)
     length: int  # units of the prompt
-    item_span: tuple[int, int]  # character span of the needed item (pair or needle) in the prompt
+    item_span: tuple[int, int]  # character span of the needed item (pair, pass-key sentence or needle) in the prompt
+    value_end: int = 0  # character offset in the prompt just past the needed value's last occurrence in the item
     key: str | None = None  # kv, recall: the queried key
     pairs: dict[str, str] = field(default_factory=dict)  # kv, recall: every key -> value in the context
     index: int = 0
@@ -130,8 +132,9 @@ class CharUnits:
     def cut(self, text: str, units: int) -> str:
         return text[:units]
 
-    def distance(self, prompt: str, item_end: int) -> int:
-        return len(prompt) - item_end
+    def distance(self, prompt: str, end: int) -> int:
+        """Units of `prompt` after the one that holds character end - 1."""
+        return len(prompt) - end
 
 
 class TokenUnits:
@@ -149,9 +152,10 @@ class TokenUnits:
         enc = self.tok.encode(text)
         return text if units >= len(enc.ids) else text[: enc.offsets[units][0]]
 
-    def distance(self, prompt: str, item_end: int) -> int:
+    def distance(self, prompt: str, end: int) -> int:
+        """Tokens of `prompt` after the one that holds character end - 1."""
         offsets = self.tok.encode(prompt).offsets
-        last = max(i for i, (start, _) in enumerate(offsets) if start < item_end)  # the item's last token
+        last = max(i for i, (start, _) in enumerate(offsets) if start < end)
         return len(offsets) - 1 - last
 
 
@@ -226,7 +230,9 @@ class _Filler:
 
 
 def _draw_distance(spec: ProbeSpec, item_u: int, question_u: int, units, rng: np.random.Generator) -> int:
-    """The item's distance: spec.distance, or uniform in [min_distance, max_distance] clipped to what fits."""
+    """The needed value's distance: spec.distance, or uniform in [min_distance, max_distance] clipped to what fits.
+    item_u: units of the item up to the value's end; question_u: units after it that the distance cannot avoid (the
+    rest of the item, the question)."""
     n = spec.length
     lo = max(question_u, spec.min_distance if spec.min_distance is not None else 0)
     hi = min(n - item_u, spec.max_distance if spec.max_distance is not None else n)
@@ -234,7 +240,8 @@ def _draw_distance(spec: ProbeSpec, item_u: int, question_u: int, units, rng: np
         lo = hi = spec.distance
     if not question_u <= lo <= hi <= n - item_u:
         raise ValueError(f"{spec.task} probe: distance {spec.distance if spec.distance is not None else (lo, hi)} "
-                         f"impossible for length {n} (the question takes {question_u}, the item {item_u} {units.name})")
+                         f"impossible for length {n} (after the value come {question_u} {units.name} of item and "
+                         f"question, the item up to it takes {item_u})")
     return int(rng.integers(lo, hi + 1))
 
 
@@ -264,10 +271,14 @@ def make_probe(spec: ProbeSpec, index: int, units=None) -> Probe:
         question, answer = " What is the pass key? The pass key is", f" {code}"
         others = []
     n = spec.length
-    item_u, question_u = units.count(item), units.count(question)
+    # The distance counts from the value's last occurrence in the item (" The pass key is 1234. ... 1234 is the pass
+    # key." reaches back to the second 1234; " k12: v345." to v345, not to the full stop): before it, in the input,
+    # no token carries the value.
+    value_at = item.rindex(answer.strip()) + len(answer.strip())
+    item_u, question_u, rest_u = units.count(item), units.count(question), units.count(item[value_at:])
     others_u = [units.count(o) for o in others]
-    d = _draw_distance(spec, item_u, question_u, units, rng)
-    before_u, after_u = n - item_u - d, d - question_u  # filler + other pairs on each side of the item
+    d = _draw_distance(spec, item_u - rest_u, rest_u + question_u, units, rng)
+    before_u, after_u = n - item_u - (d - rest_u), d - rest_u - question_u  # filler + other pairs around the item
     # Distractor pairs go left or right of the item in proportion to the room there, if they fit.
     side = rng.random(len(others)) * max(1, before_u + after_u) < before_u
     regions = {True: [], False: []}
@@ -311,9 +322,9 @@ def make_probe(spec: ProbeSpec, index: int, units=None) -> Probe:
         tail = region(after_u, regions[False])
     prompt = head + item + tail + question
     span = (len(head), len(head) + len(item))
-    return Probe(task=spec.task, prompt=prompt, answer=answer, distance=units.distance(prompt, span[1]),
-                 length=units.count(prompt), item_span=span, key=key, pairs=pairs, index=index, seed=spec.seed,
-                 units=units.name)
+    return Probe(task=spec.task, prompt=prompt, answer=answer, distance=units.distance(prompt, span[0] + value_at),
+                 length=units.count(prompt), item_span=span, value_end=span[0] + value_at, key=key, pairs=pairs,
+                 index=index, seed=spec.seed, units=units.name)
 
 
 def _make_recall(spec: ProbeSpec, index: int, units, rng: np.random.Generator) -> Probe:
@@ -351,10 +362,10 @@ def _make_recall(spec: ProbeSpec, index: int, units, rng: np.random.Generator) -
     tail = stream(d - question_u, others)
     head = stream(n - item_u - units.count(tail) - question_u, others)
     prompt = head + item + tail + question
-    span = (len(head), len(head) + len(item))
+    span = (len(head), len(head) + len(item))  # the item ends with the value
     return Probe(task=spec.task, prompt=prompt, answer=answer, distance=units.distance(prompt, span[1]),
-                 length=units.count(prompt), item_span=span, key=key, pairs=pairs, index=index, seed=spec.seed,
-                 units=units.name)
+                 length=units.count(prompt), item_span=span, value_end=span[1], key=key, pairs=pairs, index=index,
+                 seed=spec.seed, units=units.name)
 
 
 def units_to_chars(n: int, units) -> int:
@@ -371,6 +382,8 @@ def write_jsonl(spec: ProbeSpec, num_docs: int, path: str | Path) -> Path:
     path = Path(path)
     sidecar = path.with_name(path.name + ".spec.json")
     wanted = {"spec": asdict(spec), "num_docs": num_docs, "units": "chars"}
+    if spec.task in ("kv", "passkey"):  # distances count from the value since 2026-12-01 (before: from the item's end)
+        wanted["distance_from"] = "value"
     if path.is_file():
         if sidecar.is_file() and json.loads(sidecar.read_text()) == wanted:
             return path

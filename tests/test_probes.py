@@ -100,7 +100,11 @@ def test_lengths_and_distances_are_as_requested(task):
     for d in (80, 150, 333, 520):
         probe = make_probe(ProbeSpec(task=task, length=600, num_pairs=4, distance=d, seed=1), index=d)
         assert len(probe.prompt) == 600
-        assert probe.distance == d == len(probe.prompt) - probe.item_span[1]
+        # measured from the value's last occurrence in the item: kv's full stop and the end of the pass-key sentence
+        # come after it and hold nothing the answer needs
+        assert probe.distance == d == len(probe.prompt) - probe.value_end
+        assert probe.prompt[: probe.value_end].endswith(probe.answer.strip())
+        assert probe.item_span[0] < probe.value_end <= probe.item_span[1]
     spec = ProbeSpec(task=task, length=800, num_pairs=4, min_distance=200, max_distance=400)
     distances = [p.distance for p in generate(spec, 60)]
     assert min(distances) >= 200 and max(distances) <= 400 and len(set(distances)) > 20
@@ -127,8 +131,9 @@ def test_token_units_measure_distance_in_tokens():
         probe = make_probe(ProbeSpec(task="kv", length=200, num_pairs=3, distance=d, seed=3), 0, units)
         ids = tok.encode(probe.prompt).ids
         assert abs(len(ids) - 200) <= 4 and abs(probe.distance - d) <= 4
-        # the distance is re-measured on the final prompt: tokens after the needed pair's last token
-        assert probe.distance == units.distance(probe.prompt, probe.item_span[1])
+        # the distance is re-measured on the final prompt: tokens after the needed value's last token
+        assert probe.distance == units.distance(probe.prompt, probe.value_end)
+        assert probe.distance > units.distance(probe.prompt, probe.item_span[1])  # the pair's full stop is nearer
     assert CharUnits().distance("abcdef", 2) == 4
 
 
