@@ -2,6 +2,7 @@
 
     python -m analysis.probe_eval ckpt=runs/probes_cpu/multirun/<date>/2_sa_w32_s0
     python -m analysis.probe_eval ckpt=<file.ckpt> task=passkey num=300 buckets=6 attention.window=64
+    python -m analysis.probe_eval ckpt=<run dir> seeds=5          # SA: mean and spread over 5 eval permutations
 
 Prompts are generated in TOKEN units of the checkpoint's own tokenizer: as long as the run's training documents
 when it trained on data=probes, else as long as the context allows (the model's max_seq_len; context=<tokens> sets
@@ -12,6 +13,16 @@ permutation of that length, rather than a fresh one per decoding step), and padd
 permutes only real tokens, so batching changes nothing).
 Distances are re-measured on the final token sequence; "beyond SWA" marks items further back than n_layers*(w-1),
 the reach of an SWA stack with this checkpoint's depth and window.
+
+Read the accuracies against two things this file reports beside them:
+- "constant guess": what always answering the subset's most common answer scores. Answers are drawn uniformly, but a
+  subset of a few dozen prompts is not balanced, so it can lie well above 1/#answers.
+- the spread over eval permutations (seeds=K; SA and gated SA+SWA only). Every prompt has the same length, so one
+  eval seed scores all of them under one pi per layer, and which near positions that pi links to the question
+  varies a lot from seed to seed.
+The prompts all end at the same position (the context's end), so "within the SWA reach" also means "the needle is
+among the last n_layers*(w-1) tokens": few tokens lie between it and the question, and SA's causal hops must land
+there, so SA alone reaches near needles less often than far ones (gated SA+SWA has its SWA path for them).
 
 Defaults for task, filler, pairs and the prompt length (the training documents' length in tokens) come from the run's
 config.yaml when it trained on data=probes. Results go to
@@ -24,6 +35,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -31,14 +43,14 @@ import numpy as np
 from data.shards import atomic_write_text
 
 DEFAULTS = {"ckpt": None, "task": "kv,passkey", "num": 200, "num_pairs": 8, "key_digits": 3, "value_digits": 4,
-            "filler": "sentences", "seed": 1234,
+            "filler": "sentences", "seed": 1234, "seeds": 1,
             "context": None, "min_distance": None, "max_distance": None, "buckets": 8, "batch_size": 8,
             "device": "cpu", "out": None}
 ATTENTION_KEYS = ("kind", "window", "backend", "eval_seed")
 
 
-INT_KEYS = ("num", "num_pairs", "key_digits", "value_digits", "seed", "context", "min_distance", "max_distance",
-            "buckets", "batch_size")
+INT_KEYS = ("num", "num_pairs", "key_digits", "value_digits", "seed", "seeds", "context", "min_distance",
+            "max_distance", "buckets", "batch_size")
 
 
 def parse_args(argv: list[str]) -> tuple[dict, dict]:
@@ -139,8 +151,14 @@ def score(model, examples, batch_size: int, pad_id: int, device) -> np.ndarray:
     return np.array(correct, dtype=bool)
 
 
-def bucketize(distances: np.ndarray, correct: np.ndarray, buckets: int, reach: float) -> list[dict]:
-    """Equal-width distance buckets, with one edge at the SWA reach so no bucket straddles it."""
+def constant_guess(answers: list[tuple]) -> float:
+    """The accuracy of always giving the most common of `answers` (0 for none)."""
+    return max(Counter(answers).values()) / len(answers) if answers else 0.0
+
+
+def bucketize(distances: np.ndarray, correct: np.ndarray, buckets: int, reach: float, answers: list[tuple]
+              ) -> list[dict]:
+    """Equal-width distance buckets, with one edge at the SWA reach so no bucket straddles it. correct: [seeds, N]."""
     hi = int(distances.max()) if len(distances) else 0
     edges = np.linspace(0, hi + 1, buckets + 1).round().astype(int)
     if math.isfinite(reach) and 0 < reach < hi:
@@ -150,9 +168,16 @@ def bucketize(distances: np.ndarray, correct: np.ndarray, buckets: int, reach: f
     for lo, up in zip(edges[:-1], edges[1:]):
         sel = (distances >= lo) & (distances < up)
         if sel.any():
-            rows.append({"lo": int(lo), "hi": int(up - 1), "n": int(sel.sum()), "acc": float(correct[sel].mean()),
+            rows.append({"lo": int(lo), "hi": int(up - 1), "n": int(sel.sum()), **_accuracy(correct[:, sel]),
+                         "guess": constant_guess([a for a, s in zip(answers, sel) if s]),
                          "beyond_swa": bool(lo > reach)})
     return rows
+
+
+def _accuracy(correct: np.ndarray) -> dict:
+    """{"acc": mean over seeds and prompts, "acc_std": spread of the per-seed accuracies (0 for one seed)}."""
+    per_seed = correct.mean(axis=1)
+    return {"acc": float(per_seed.mean()), "acc_std": float(per_seed.std())}
 
 
 def evaluate(given: dict, attention: dict | None = None, log=print) -> dict:
@@ -179,12 +204,18 @@ def evaluate(given: dict, attention: dict | None = None, log=print) -> dict:
     cfg["context"] = context
     if context > mcfg.max_seq_len:
         raise SystemExit(f"error: context={context} exceeds the model's max_seq_len={mcfg.max_seq_len}")
+    if int(cfg["seeds"]) < 1:
+        raise SystemExit(f"error: seeds={cfg['seeds']} must be >= 1 (eval permutation seeds to average over)")
+    uses_perm = acfg.kind in ("sa", "gated_sa_swa")
+    seeds = [acfg.eval_seed + i for i in range(int(cfg["seeds"]) if uses_perm else 1)]
+    if int(cfg["seeds"]) > 1 and not uses_perm:
+        log(f"attention {acfg.kind} draws no permutation: one pass instead of seeds={cfg['seeds']}")
     # The same buckets and beyond/within split for every variant of a sweep: full attention is scored against the reach
     # an SWA stack of its depth and (configured) window would have, so its row lines up with the others.
     reach = mcfg.n_layers * (acfg.window - 1)
     tasks = [t for t in str(cfg["task"]).split(",") if t]
     summary = {"suite": "probes", "checkpoint": str(ckpt), "attention": {"kind": acfg.kind, "window": acfg.window,
-               "eval_seed": acfg.eval_seed}, "context": context, "swa_reach": reach,
+               "eval_seeds": seeds}, "context": context, "swa_reach": reach,
                "settings": cfg, "results": [], "buckets": {}}
     for task in tasks:
         examples = build_examples(tok, task, int(cfg["num"]), context, int(cfg["seed"]), int(cfg["num_pairs"]),
@@ -192,35 +223,54 @@ def evaluate(given: dict, attention: dict | None = None, log=print) -> dict:
                                   int(cfg["value_digits"]))
         if not examples:
             raise SystemExit(f"error: no {task} probe fits in {context} tokens")
-        correct = score(model, examples, int(cfg["batch_size"]), loaded.eos_id, torch.device(cfg["device"]))
+        correct = []
+        for seed in seeds:
+            model.sampler.eval_seed = seed
+            correct.append(score(model, examples, int(cfg["batch_size"]), loaded.eos_id, torch.device(cfg["device"])))
+        correct = np.stack(correct)  # [seeds, prompts]
         distances = np.array([d for _, _, d in examples])
+        answers = [tuple(a) for _, a, _ in examples]
         far = distances > reach
-        summary["results"] += [
-            {"task": f"probe_{task}", "metric": "acc", "value": float(correct.mean()), "n": int(len(correct))},
-            {"task": f"probe_{task}", "metric": "acc_beyond_swa",
-             "value": float(correct[far].mean()) if far.any() else None, "n": int(far.sum())},
-            {"task": f"probe_{task}", "metric": "acc_within_swa",
-             "value": float(correct[~far].mean()) if (~far).any() else None, "n": int((~far).sum())}]
-        summary["buckets"][task] = bucketize(distances, correct, int(cfg["buckets"]), reach)
-        log(f"probe {task}: {correct.mean():.3f} over {len(correct)} examples")
+        for metric, sel in (("", np.ones_like(far)), ("_beyond_swa", far), ("_within_swa", ~far)):
+            stats = _accuracy(correct[:, sel]) if sel.any() else {"acc": None, "acc_std": None}
+            guess = constant_guess([a for a, s in zip(answers, sel) if s]) if sel.any() else None
+            summary["results"] += [
+                {"task": f"probe_{task}", "metric": f"acc{metric}", "value": stats["acc"], "n": int(sel.sum())},
+                {"task": f"probe_{task}", "metric": f"guess{metric}", "value": guess, "n": int(sel.sum())}]
+            if len(seeds) > 1:
+                summary["results"].append({"task": f"probe_{task}", "metric": f"acc{metric}_seed_std",
+                                           "value": stats["acc_std"], "n": len(seeds)})
+        summary["buckets"][task] = bucketize(distances, correct, int(cfg["buckets"]), reach, answers)
+        spread = f" ± {correct.mean(axis=1).std():.3f} over {len(seeds)} eval seeds" if len(seeds) > 1 else ""
+        log(f"probe {task}: {correct.mean():.3f}{spread} over {correct.shape[1]} examples "
+            f"(constant guess {constant_guess(answers):.3f})")
     summary["seconds"] = round(time.time() - started, 1)
     return summary
 
 
 def markdown(summary: dict) -> str:
     a = summary["attention"]
+    seeds = a["eval_seeds"]
+    seed_text = f"eval seed {seeds[0]}" if len(seeds) == 1 else f"eval seeds {seeds[0]}-{seeds[-1]}, mean ± std"
     lines = [f"## Probes: {summary['checkpoint']}", "",
-             f"attention {a['kind']} (w={a['window']}, eval seed {a['eval_seed']}), context {summary['context']} "
-             f"tokens; SWA reach of this depth and window: {summary['swa_reach']} tokens. Accuracy = greedy answer "
-             "equals the expected value.", ""]
-    for r in summary["results"]:
-        if r["metric"] == "acc":
-            lines.append(f"- {r['task']}: {r['value']:.3f} ({r['n']} examples)")
+             f"attention {a['kind']} (w={a['window']}, {seed_text}), context {summary['context']} tokens; SWA reach "
+             f"of this depth and window: {summary['swa_reach']} tokens. Accuracy = greedy answer equals the expected "
+             "value; constant guess = always the subset's most common answer.", ""]
+    values = {(r["task"], r["metric"]): r for r in summary["results"]}
+    for (task, metric), r in values.items():
+        if metric == "acc":
+            lines.append(f"- {task}: {_cell(r['value'], values.get((task, 'acc_seed_std'), {}).get('value'))} "
+                         f"({r['n']} examples; constant guess {values[(task, 'guess')]['value']:.3f})")
     for task, rows in summary["buckets"].items():
-        lines += ["", f"| {task}: token distance | examples | accuracy | beyond SWA reach |", "|---|---|---|---|"]
-        lines += [f"| {r['lo']}–{r['hi']} | {r['n']} | {r['acc']:.3f} | {'yes' if r['beyond_swa'] else 'no'} |"
-                  for r in rows]
+        lines += ["", f"| {task}: token distance | examples | accuracy | constant guess | beyond SWA reach |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['lo']}–{r['hi']} | {r['n']} | {_cell(r['acc'], r['acc_std'] if len(seeds) > 1 else None)} | "
+                  f"{r['guess']:.3f} | {'yes' if r['beyond_swa'] else 'no'} |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def _cell(acc: float, std: float | None) -> str:
+    return f"{acc:.3f}" if std is None else f"{acc:.3f} ± {std:.3f}"
 
 
 def main(argv=None) -> int:

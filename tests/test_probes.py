@@ -3,6 +3,7 @@
 import json
 import re
 
+import numpy as np
 import pytest
 
 from conftest import TINY, compose_train
@@ -151,7 +152,7 @@ def test_jsonl_is_written_once_per_parameter_set(tmp_path):
 
 def test_probes_train_and_evaluate_end_to_end(tmp_path, data_cache):
     """data=probes composes, its callback writes the corpus, train.py trains on it, probe_eval scores the run."""
-    from analysis.probe_eval import evaluate
+    from analysis.probe_eval import evaluate, markdown
     from train import train
 
     run = tmp_path / "run"
@@ -172,9 +173,34 @@ def test_probes_train_and_evaluate_end_to_end(tmp_path, data_cache):
     assert sum(b["n"] for b in summary["buckets"]["kv"]) == 12
     alone = evaluate({"ckpt": str(run), "num": 12, "batch_size": 1, "buckets": 3}, {"window": 8})
     assert alone["results"] == summary["results"]  # padded batches score like single sequences
+    # seeds=3: the mean over eval permutations 0, 1, 2, each as scored alone
+    three = evaluate({"ckpt": str(run), "num": 12, "batch_size": 6, "buckets": 3, "seeds": 3}, {"window": 8})
+    each = [{r["metric"]: r["value"] for r in evaluate({"ckpt": str(run), "num": 12, "batch_size": 6, "buckets": 3},
+                                                       {"window": 8, "eval_seed": seed})["results"]}
+            for seed in range(3)]
+    got = {r["metric"]: r for r in three["results"]}
+    assert three["attention"]["eval_seeds"] == [0, 1, 2] and got["acc_seed_std"]["n"] == 3
+    assert got["acc"]["value"] == pytest.approx(np.mean([e["acc"] for e in each]))
+    assert got["acc_seed_std"]["value"] == pytest.approx(np.std([e["acc"] for e in each]))
+    assert got["guess"]["value"] == each[0]["guess"]  # the prompts, and so the baseline, do not depend on the seed
+    table = markdown(three)
+    assert "eval seeds 0-2, mean ± std" in table and table.count(" ± ") >= 1 + len(three["buckets"]["kv"])
     recall = evaluate({"ckpt": str(run), "task": "recall", "num": 6, "num_pairs": 5, "key_digits": 1,
                        "value_digits": 2, "context": 60, "buckets": 2}, {"window": 8})
     assert sum(b["n"] for b in recall["buckets"]["recall"]) == 6  # token-unit recall prompts fit and are scored
+
+
+def test_constant_guess_and_buckets_report_the_baseline_of_each_subset():
+    from analysis.probe_eval import bucketize, constant_guess
+
+    assert constant_guess([(5,), (7,), (5,), (9,)]) == 0.5 and constant_guess([]) == 0.0
+    distances = np.array([10, 20, 30, 200, 210, 220])
+    answers = [(1,), (1,), (2,), (3,), (4,), (5,)]
+    correct = np.array([[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0]], dtype=bool)  # two eval seeds
+    near, far = bucketize(distances, correct, buckets=1, reach=124, answers=answers)
+    assert (near["n"], near["guess"], near["beyond_swa"]) == (3, pytest.approx(2 / 3), False)
+    assert near["acc"] == pytest.approx((2 / 3 + 1 / 3) / 2) and near["acc_std"] == pytest.approx(1 / 6)
+    assert (far["n"], far["guess"], far["acc"], far["beyond_swa"]) == (3, pytest.approx(1 / 3), 1 / 6, True)
 
 
 def test_needle_trains_on_its_answers_only(tmp_path, data_cache):
