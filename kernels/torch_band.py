@@ -95,8 +95,8 @@ class _BandedSDPA(torch.autograd.Function):
                                    attn_mask=_mask_for(mask, b, H), scale=scale)
             # gq is [nb, H, block, D] laid out slot-major: as [Lq, H, D] it is a view.
             _gather_into(dq[b].transpose(0, 1), gq.transpose(1, 2).reshape(Lq, H, D), ip, dim=0)
-            _gather_into(dk[b], _fold_spans(gk, block, Lk)[:, left : left + n], ip, dim=1)
-            _gather_into(dv[b], _fold_spans(gv, block, Lk)[:, left : left + n], ip, dim=1)
+            _gather_into(dk[b].transpose(0, 1), _fold_spans(gk, block, Lk)[left : left + n], ip, dim=0)
+            _gather_into(dv[b].transpose(0, 1), _fold_spans(gv, block, Lk)[left : left + n], ip, dim=0)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -146,16 +146,19 @@ def _mask_for(mask, b: int, H: int):
 
 
 def _fold_spans(g, block: int, L: int):
-    """Sum overlapping span gradients [nb, H, span, D] back into [H, L, D] with one strided add per block offset."""
+    """Sum overlapping span gradients [nb, H, span, D] back into slot-major [L, H, D] with one strided add per block
+    offset. The fused kernel's gradients lie in memory as [nb, span, H, D], so every copy and add moves whole rows of
+    H x D (folding them head-major instead read 256-byte rows 4 KB apart)."""
     nb, H, span, D = g.shape
+    g = g.transpose(1, 2)  # [nb, span, H, D]: the memory order
     chunks = math.ceil(span / block)
-    out = g.new_empty(H, (nb + chunks) * block, D)
-    out[:, nb * block :].zero_()
-    out[:, : nb * block].view(H, nb, block, D).copy_(g[:, :, :block].transpose(0, 1))  # offset 0 covers every row once
+    out = g.new_empty((nb + chunks) * block, H, D)
+    out[nb * block :].zero_()
+    out[: nb * block].view(nb, block, H, D).copy_(g[:, :block])  # offset 0 covers every row once
     for c in range(1, chunks):
         c0, c1 = c * block, min(span, (c + 1) * block)
-        out[:, c0 : c0 + nb * block].view(H, nb, block, D)[:, :, : c1 - c0] += g[:, :, c0:c1].transpose(0, 1)
-    return out[:, :L]
+        out[c0 : c0 + nb * block].view(nb, block, H, D)[:, : c1 - c0] += g[:, c0:c1]
+    return out[:L]
 
 
 def _banded_sdpa_autograd(q, k, v, mask, left: int, right: int, block: int, scale):
