@@ -134,8 +134,10 @@ def markdown(cov: dict | None, sw: list[dict] | None, sw_args: dict | None = Non
         lines += ["", f"## Small-world metrics (undirected, n={sw[0]['nodes']})", "",
                   "C = average clustering, L = average shortest path length (over reachable pairs). "
                   f"WS = Watts–Strogatz with the same n and mean degree, p={a.get('ws_p', 0.1)}; "
-                  "rand = Erdős–Rényi estimates (C = K/n, L = ln n / ln K); σ = (C/C_rand)/(L/L_rand). "
-                  "The composed graph is the union of every layer's edges.", "",
+                  "rand = Erdős–Rényi estimates (C = K/(n−1), L from the distance distribution, valid for dense "
+                  "graphs: analysis.smallworld.random_path_length); σ = (C/C_rand)/(L/L_rand). The composed graph "
+                  "is the union of every layer's edges, undirected: its paths ignore causality and layer order (the "
+                  "receptive field is the coverage above).", "",
                   "| variant | graph | mean degree | C | L | C WS | L WS | C rand | L rand | σ | method |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sw:
@@ -148,7 +150,7 @@ def markdown(cov: dict | None, sw: list[dict] | None, sw_args: dict | None = Non
                          f"{_fmt(r['sigma'], 2)} | {method}; WS {ws['method']} |")
         if any(r["ws"]["method"] == "approx" for r in sw):
             lines.append("\nWS 'approx': too large to generate; C from Barrat–Weigt, "
-                         "L = ln n / ln K (a lower bound).")
+                         "L = the random graph's (a lower bound).")
         if any(r["connected_fraction"] < 1 for r in sw):
             lines.append("\nSome graphs are disconnected: L averages over reachable pairs only "
                          + ", ".join(f"({LABELS[r['variant']]} {r['graph']}: {r['connected_fraction']:.3f})"

@@ -25,8 +25,14 @@ import numpy as np
 
 
 def log_w_layers(n: int, w: int) -> int:
-    """ceil(log_w n): the paper's depth for a global receptive field."""
-    return max(1, math.ceil(math.log(n) / math.log(w))) if w > 1 else n
+    """ceil(log_w n): the paper's depth for a global receptive field. In integers: in floats, log 125 / log 5 is
+    3.0000000000000004 and its ceiling 4."""
+    if w <= 1:
+        return n
+    layers = 1
+    while w**layers < n:
+        layers += 1
+    return layers
 
 
 def swa_reach(layers: int, w: int) -> int:

@@ -6,7 +6,7 @@ import torch
 
 from analysis.attention_graph import VARIANTS, directed_edges, layer_edges, layer_paths, stack_paths
 from analysis.reachability import coverage_by_layer, reachable_matrix, sample_keys
-from analysis.smallworld import BandGraph, CsrGraph, measure, watts_strogatz_csr
+from analysis.smallworld import BandGraph, CsrGraph, measure, random_reference, watts_strogatz_csr
 from analysis.theory import log_w_layers, mean_field_coverage, swa_coverage
 from kernels.naive import band_mask
 
@@ -112,6 +112,21 @@ def test_small_world_metrics_agree_with_networkx(kind, n, w, layers):
     assert m.clustering == pytest.approx(nx.average_clustering(ws_nx), abs=1e-12)
     if nx.is_connected(ws_nx):
         assert m.path_length == pytest.approx(nx.average_shortest_path_length(ws_nx), abs=1e-12)
+
+
+@pytest.mark.parametrize("n,k", [(600, 12), (600, 150)])  # sparse, and dense (K > sqrt n) where ln n / ln K fails
+def test_random_reference_path_length_matches_a_measured_random_graph(n, k):
+    nx = pytest.importorskip("networkx")
+    g = nx.gnp_random_graph(n, k / (n - 1), seed=3)
+    measured = nx.average_shortest_path_length(g.subgraph(max(nx.connected_components(g), key=len)))
+    c_rand, l_rand = random_reference(n, k)
+    assert l_rand == pytest.approx(measured, rel=0.02) and c_rand == pytest.approx(k / (n - 1))
+    assert l_rand >= 2 - k / (n - 1) - 1e-9  # no graph of this mean degree has shorter paths
+
+
+def test_log_w_layers_is_an_integer_ceiling():
+    assert [log_w_layers(n, w) for n, w in ((125, 5), (126, 5), (2048, 256), (65536, 256), (65537, 256), (3, 4))] \
+        == [3, 4, 2, 2, 3, 1]
 
 
 def test_coverage_cli_writes_table_and_plot(tmp_path, capsys):
