@@ -39,7 +39,8 @@ def time_call(fn, device, reps: int, grads=(), graphs: bool = False) -> float:
         if graphs:
             return do_bench_cudagraph(fn, rep=max(100, 10 * reps), return_mode="median")
         return do_bench(fn, warmup=25, rep=max(100, 10 * reps), grad_to_none=list(grads), return_mode="median")
-    fn()  # warm-up (compilation, autotuning, allocator)
+    for _ in range(2):  # warm-up: compilation, and the heap, which takes a few calls of a new shape to stop growing
+        fn()  # (with one warm-up call, page faults of fresh memory inflated the median of SA by up to 30%)
     times = []
     for _ in range(reps):
         start = time.perf_counter()
