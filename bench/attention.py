@@ -39,8 +39,8 @@ def time_call(fn, device, reps: int, grads=(), graphs: bool = False) -> float:
         if graphs:
             return do_bench_cudagraph(fn, rep=max(100, 10 * reps), return_mode="median")
         return do_bench(fn, warmup=25, rep=max(100, 10 * reps), grad_to_none=list(grads), return_mode="median")
-    for _ in range(2):  # warm-up: compilation, and the heap, which takes a few calls of a new shape to stop growing
-        fn()  # (with one warm-up call, page faults of fresh memory inflated the median of SA by up to 30%)
+    for _ in range(3):  # warm-up: compilation, and the heap, which takes a few calls of a new shape to stop growing
+        fn()  # (with one warm-up call and 3 timed ones, page faults of fresh memory put SA's median 30% high)
     times = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -290,7 +290,7 @@ def main():
     p.add_argument("--backends", nargs="+", default=None)
     p.add_argument("--variants", nargs="+", choices=["full", "swa", "sa", "gated_sa_swa"], default=None)
     p.add_argument("--device", default=None)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5, help="timed calls per case (CPU: the median of these)")
     p.add_argument("--full-max-n", type=int, default=None, help="skip full attention above this n (slow on CPU)")
     p.add_argument("--graphs", action="store_true",
                    help="CUDA only: time calls replayed from a CUDA graph (GPU time, no Python/launch overhead)")
