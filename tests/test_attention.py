@@ -87,6 +87,23 @@ def test_backend_matches_dense_reference(backend, B, Hq, Hkv, n, D, window, perm
             assert g.abs().max() <= 1e-5  # exactly zero in exact arithmetic
 
 
+@pytest.mark.parametrize("perm_kind", [None, "shared", "batch"])
+def test_backend_takes_the_models_memory_layout(perm_kind, torch_layout):
+    """The model's q, k, v (and the gradient arriving at the output) are [B, n, H, D] in memory, seen as [B, H, n, D]:
+    rows of a head lie H x D apart, which the gathers and folds through pi must handle like contiguous heads."""
+    B, Hq, Hkv, n, D, window = 2, 4, 2, 150, 16, 24
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, n, h, D, generator=g).transpose(1, 2).requires_grad_() for h in (Hq, Hkv, Hkv))
+    grad_out = torch.randn(B, n, Hq, D, generator=g).transpose(1, 2)
+    perm = make_perm(perm_kind, B, n, seed=3)
+    ref = dense_reference(q, k, v, window, perm)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
+    out = banded_attention(q, k, v, window, perm=perm, backend="torch")
+    assert rel_err(out, ref) <= 1e-5
+    for name, got, want in zip("qkv", torch.autograd.grad(out, (q, k, v), grad_out), ref_grads):
+        assert rel_err(got, want) <= 1e-5, f"d{name}"
+
+
 def test_identity_permutation_with_causal_band_is_swa(torch_layout):
     q, k, v = make_qkv(2, 4, 2, 70, 16, seed=1)
     w = 9
