@@ -26,6 +26,32 @@ def test_moba_matches_dense_reference(B, Hq, Hkv, n, D, block, top_k):
                                atol=2e-6, rtol=1e-5)
 
 
+def _moba_loop(q, k, v, block, top_k):
+    """MoBA one query at a time, written from the rule alone (not from the implementation's gate code): the own block
+    (causal), plus the top_k - 1 earlier blocks whose mean key scores highest against the query."""
+    B, Hq, n, D = q.shape
+    group = Hq // k.shape[1]
+    out = torch.empty_like(q)
+    for b in range(B):
+        for h in range(Hq):
+            keys, values = k[b, h // group], v[b, h // group]
+            for t in range(n):
+                own = t // block
+                past = sorted(range(own), key=lambda c: -float(q[b, h, t] @ keys[c * block:(c + 1) * block].mean(0)))
+                chosen = [j for c in past[: top_k - 1] for j in range(c * block, (c + 1) * block)]
+                chosen += list(range(own * block, t + 1))
+                scores = keys[chosen] @ q[b, h, t] / D**0.5
+                out[b, h, t] = torch.softmax(scores, 0) @ values[chosen]
+    return out
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,n,block,top_k", [(1, 4, 2, 23, 4, 2), (2, 3, 1, 19, 3, 3), (1, 2, 2, 9, 1, 2)])
+def test_moba_matches_a_per_query_loop(B, Hq, Hkv, n, block, top_k):
+    q, k, v = _qkv(B, Hq, Hkv, n, 8, seed=7)
+    torch.testing.assert_close(moba_attention(q, k, v, block, top_k), _moba_loop(q, k, v, block, top_k),
+                               atol=2e-6, rtol=1e-5)
+
+
 def test_moba_query_chunks_and_scale(monkeypatch):
     """The per-chunk gather (small memory budget: many query chunks) and an explicit scale give the same result."""
     q, k, v = _qkv(2, 4, 2, 41, 8, seed=1)
