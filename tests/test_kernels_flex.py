@@ -101,7 +101,7 @@ def test_block_lists_cover_the_band_exactly(kf, n):
 
 
 def test_compiled_matches_naive(kf):
-    """The compiled kernel uses the block lists; SA with a new pi and window reuses the compiled graph."""
+    """The compiled kernel uses the block lists; SA with a new pi reuses the compiled graph (a new window may not)."""
     for kind, w, seed in [("none", 200, 0), ("batch", 64, 1), ("batch", 9, 2)]:
         q, k, v, perm = make_case(2, 4, 2, 300, 16, kind, seed)
         left, right = default_band(w, perm is not None)
@@ -109,6 +109,10 @@ def test_compiled_matches_naive(kf):
         ref = naive_banded_attention(q, k, v, left, right, perm)
         assert rel_err(out, ref) <= TOL, (kind, w)
     assert not kf._compile_failed
+    new_pi = torch.stack([torch.randperm(300, generator=torch.Generator().manual_seed(s)) for s in (8, 9)])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = kf.flex_banded_attention(q, k, v, left, right, new_pi.to(q.device), compiled=True)
+    assert rel_err(out, naive_banded_attention(q, k, v, left, right, new_pi.to(q.device))) <= TOL
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU-only limitation")
