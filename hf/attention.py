@@ -72,7 +72,7 @@ class PrefillSettings:
 # ---------------------------------------------------------------------------------------------------------- padding
 
 # (weakref to the last mask, its version, batch, n, result): every layer gets the same mask; the version counter
-# tells a mask buffer rewritten in place from the one measured
+# tells a mask buffer rewritten in place from the one measured (inference-mode tensors keep none: None)
 _layout_cache: tuple | None = None
 
 
@@ -86,11 +86,12 @@ def sequence_layout(attention_mask: torch.Tensor | None, batch: int, n: int):
     if attention_mask is None:
         return None, None
     cached = _layout_cache
-    if cached is not None and cached[0]() is attention_mask and cached[1:4] == (attention_mask._version, batch, n):
+    version = None if attention_mask.is_inference() else attention_mask._version
+    if cached is not None and cached[0]() is attention_mask and cached[1:4] == (version, batch, n):
         return cached[4]
     result = _sequence_layout(attention_mask, batch, n)
     try:
-        _layout_cache = (weakref.ref(attention_mask), attention_mask._version, batch, n, result)
+        _layout_cache = (weakref.ref(attention_mask), version, batch, n, result)
     except TypeError:  # not weak-referenceable: just don't cache
         _layout_cache = None
     return result

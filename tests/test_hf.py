@@ -165,6 +165,9 @@ def test_padding_does_not_change_a_sequence(tiny, ids, kind, side):
     real = slice(0, L) if side == "right" else slice(N - L, N)
     _close(both[1, real], alone[0])
     _close(both[0], _logits(tiny, ids[:1], kind, 4, seed=1)[0])
+    patch_model(tiny, kind, 4, seed=1)
+    with torch.inference_mode():  # as lm-eval and serving code run it: masks without a version counter
+        _close(tiny(batch, attention_mask=mask).logits, both)
 
 
 @pytest.mark.parametrize("kind", ["swa", "sa"])
@@ -195,6 +198,8 @@ def test_sequence_layout_reads_and_refuses_masks():
     shorter[0, 2:] = False
     buffer.copy_((causal[None] & shorter[:, None, :])[:, None])
     assert sequence_layout(buffer, 2, 6)[1] == [2, 6]
+    with torch.inference_mode():  # inference tensors have no version counter: still read (and cached)
+        assert sequence_layout(mask4d.clone(), 2, 6)[1] == [4, 6]
     holes = torch.tensor([[1, 0, 1, 1, 1, 1]], dtype=torch.bool)
     with pytest.raises(ValueError, match="contiguous"):
         sequence_layout(holes, 1, 6)
