@@ -123,3 +123,81 @@ def test_compare_table_and_plots_from_real_runs(two_runs, tmp_path):
     assert main([str(two_runs / "0_swa_w8_s0"), str(two_runs / "1_sa_w8_s0"), "--out", str(tmp_path / "cli"),
                  "--no-plots"]) == 0
     assert (tmp_path / "cli" / "compare.md").is_file()
+
+
+def _fake_run(root, name, seed=0, kind="sa", window=8, max_steps=30, rows=(), lr=1e-3, evals=(), ckpts=("last",)):
+    """A run directory as train.py leaves it (config.yaml, metrics.csv, checkpoints/, eval/), without training."""
+    run = root / name
+    (run / "checkpoints").mkdir(parents=True)
+    for c in ckpts:
+        (run / "checkpoints" / f"{c}.ckpt").write_bytes(b"")
+    OmegaConf.save(OmegaConf.create({
+        "seed": seed, "task_name": "t", "run_name": name, "paths": {"run_dir": str(run)},
+        "attention": {"kind": kind, "window": window}, "optim": {"lr": lr, "tokens_per_step": None},
+        "trainer": {"max_steps": max_steps, "val_every_n_steps": 10, "log_every_n_steps": 10, "devices": 1,
+                    "num_nodes": 1, "accumulate_grad_batches": 1},
+        "data": {"batch_size": 2, "seq_len": 16}}), run / "config.yaml")
+    lines = ["epoch,step,train/loss,train/tokens,val/loss"] + [",".join(map(str, r)) for r in rows]
+    (run / "metrics.csv").write_text("\n".join(lines) + "\n")
+    for folder, ckpt, value in evals:
+        (run / "eval" / folder).mkdir(parents=True)
+        (run / "eval" / folder / "results.json").write_text(json.dumps(
+            {"checkpoint": str(run / "checkpoints" / ckpt),
+             "results": [{"task": "probe_needle", "metric": "acc", "value": value}]}))
+    return run
+
+
+def test_runs_that_differ_beyond_the_seed_are_not_pooled(tmp_path):
+    from tools.compare import compare
+
+    rows = [(0, 9, 2.0, 320, ""), (0, 9, "", "", 2.1)]
+    for name, seed, steps in (("a", 0, 30), ("b", 1, 30), ("c", 0, 60)):  # c: twice the steps, not a third seed
+        _fake_run(tmp_path, name, seed=seed, max_steps=steps, rows=rows)
+    _fake_run(tmp_path, "d", seed=2, max_steps=30, lr=3e-3, rows=rows)
+    groups = {}
+    for r in compare([str(tmp_path)], tmp_path / "out", plots=False)["rows"]:
+        groups.setdefault(r["group"], []).append(r["run"])
+    assert groups == {"sa w=8 (optim.lr=0.001, trainer.max_steps=30)": ["a", "b"],
+                      "sa w=8 (optim.lr=0.001, trainer.max_steps=60)": ["c"],
+                      "sa w=8 (optim.lr=0.003, trainer.max_steps=30)": ["d"]}  # run-local keys (paths) never split
+
+
+def test_evals_of_the_final_checkpoint_only_newest_first(tmp_path, capsys):
+    import time
+
+    from tools.runs import read_evals
+
+    run = _fake_run(tmp_path, "r", ckpts=("last", "step0000010"),
+                    evals=[("probes", "last.ckpt", 0.9), ("probes_step10", "step0000010.ckpt", 0.1)])
+    assert read_evals(run) == {"probe_needle/acc": 0.9}  # the intermediate checkpoint's score is not the run's
+    time.sleep(0.01)
+    (run / "eval" / "probes_again").mkdir()
+    (run / "eval" / "probes_again" / "results.json").write_text(json.dumps(
+        {"checkpoint": str(run / "checkpoints" / "last.ckpt"),
+         "results": [{"task": "probe_needle", "metric": "acc", "value": 0.8}]}))
+    assert read_evals(run) == {"probe_needle/acc": 0.8} and "probes_again" in capsys.readouterr().err
+
+
+def test_steps_tokens_and_curves_of_runs_that_stop_between_log_rows(tmp_path):
+    from tools.runs import load_run
+
+    # log every 10, validate every 10 and on the final weights: 25 steps of 32 tokens; the first attempt ran to
+    # step 39 and was resumed from step 19 (its rows from 20 on are dropped)
+    rows = [(0, 0, "", "", 3.0), (0, 9, 2.5, 320, ""), (0, 9, "", "", 2.4), (0, 19, 2.2, 640, ""),
+            (0, 29, 9.9, 960, ""), (0, 39, 9.9, 1280, ""), (0, 29, "", "", 9.9),
+            (0, 19, 2.2, 640, ""), (0, 19, "", "", 2.1), (0, 25, "", "", 2.0)]
+    run = load_run(_fake_run(tmp_path, "r", max_steps=25, rows=rows))
+    steps, values = run.series("val/loss")
+    assert steps == [0, 9, 19, 25] and values == [3.0, 2.4, 2.1, 2.0]
+    assert run.steps == 25 and run.tokens_at(steps) == [0, 320, 640, 800]
+    short = load_run(_fake_run(tmp_path, "short", max_steps=2, rows=[(0, 0, "", "", 3.0), (0, 2, "", "", 2.9)]))
+    assert short.steps == 2 and short.tokens_at([0, 2]) == [0, 64]  # no train row: tokens from the config
+
+
+def test_summary_survives_a_diverged_seed(tmp_path):
+    from tools.compare import compare
+
+    _fake_run(tmp_path, "a", seed=0, rows=[(0, 9, 2.0, 320, ""), (0, 9, "", "", 2.1)])
+    _fake_run(tmp_path, "b", seed=1, rows=[(0, 9, 2.0, 320, ""), (0, 9, "", "", "nan")])
+    text = compare([str(tmp_path)], tmp_path / "out", plots=False)["markdown"]
+    assert "| sa w=8 | 2 | nan ± nan |" in text

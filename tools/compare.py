@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.runs import Run, count_parameters, find_runs, load_run
+from data.shards import atomic_write_text
+from tools.runs import Run, count_parameters, find_runs, flat_config, load_run
 
 VARIANT_ORDER = {"full": 0, "swa": 1, "sa": 2, "gated_sa_swa": 3, "moba": 4}
 
@@ -30,7 +31,9 @@ def _sort_key(run: Run):
 
 
 def _num(x, fmt="{:.4f}"):
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+    if x is None:
+        return "—"
+    return "nan" if isinstance(x, float) and math.isnan(x) else fmt.format(x)  # nan: logged, and diverged
 
 
 def _params(n):
@@ -46,11 +49,11 @@ def run_rows(runs: list[Run]) -> tuple[list[dict], list[str]]:
         key = repr((r.config.get("model"), r.config.get("attention", {}).get("kind")))
         if key not in param_cache:
             param_cache[key] = count_parameters(r.config)
-        train_steps, _ = r.series("train/loss")
+        per = r.tokens_per_step()
         rows.append({
             "run": r.path.name, "path": str(r.path), "variant": r.variant, "window": r.window, "seed": r.seed,
-            "group": r.group, "steps": (train_steps[-1] + 1) if train_steps else None,
-            "tokens": r.last("train/tokens"), "train_loss": r.last("train/loss"), "val_loss": r.last("val/loss"),
+            "group": r.group, "steps": r.steps, "tokens": r.steps * per if r.steps and per else None,
+            "train_loss": r.last("train/loss"), "val_loss": r.last("val/loss"),
             "val_ppl": r.last("val/ppl"), "tokens_per_s": statistics.median(tps) if tps else None,
             "params": param_cache[key], **{f"eval:{k}": r.evals.get(k) for k in eval_keys},
         })
@@ -76,16 +79,24 @@ def summary_table(rows: list[dict], eval_keys: list[str]) -> str:
         groups.setdefault(r["group"], []).append(r)
 
     def stat(values, fmt="{:.4f}"):
-        values = [v for v in values if v is not None]
-        if not values:
+        """Mean ± sample std; a non-finite value (a diverged seed) makes the cell nan; (n=k) where only k of the
+        group's runs have the value."""
+        present = [v for v in values if v is not None]
+        if not present:
             return "—"
-        if len(values) == 1:
-            return fmt.format(values[0])
-        return f"{fmt.format(statistics.fmean(values))} ± {fmt.format(statistics.stdev(values))}"
+        text = _num(float(np.mean(present)), fmt)
+        if len(present) > 1:
+            text += f" ± {_num(float(np.std(present, ddof=1)), fmt)}"
+        return text if len(present) == len(values) else f"{text} (n={len(present)})"
 
     head = ["variant / window", "seeds", "val loss", "val ppl", "train loss", "tokens/s"] + eval_keys
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, members in groups.items():
+        seeds = [m["seed"] for m in members]
+        if len(set(map(str, seeds))) < len(seeds):
+            print(f"warning: group {name!r} holds seed(s) {sorted({str(x) for x in seeds if seeds.count(x) > 1})} "
+                  "more than once (the same run in two folders, or a continuation beside its parent?)",
+                  file=sys.stderr)
         cells = [name, str(len(members)), stat([m["val_loss"] for m in members]),
                  stat([m["val_ppl"] for m in members], "{:.2f}"), stat([m["train_loss"] for m in members]),
                  stat([m["tokens_per_s"] for m in members], "{:,.0f}")]
@@ -95,12 +106,15 @@ def summary_table(rows: list[dict], eval_keys: list[str]) -> str:
 
 
 def _mean_band(curves: list[tuple[list[float], list[float]]]):
-    """Mean, min and max across runs at the x values all runs share (the same steps for the same config)."""
-    common = sorted(set.intersection(*(set(x) for x, _ in curves)))
-    if not common:
+    """Mean, min and max across the runs that have a value at each x (the same steps for the same config; a run
+    that stopped early leaves the later points to the others)."""
+    xs = sorted(set().union(*(set(x) for x, _ in curves)))
+    if not xs:
         return None
-    ys = np.array([[dict(zip(x, y))[c] for c in common] for x, y in curves])
-    return np.array(common), ys.mean(0), ys.min(0), ys.max(0)
+    points = [dict(zip(x, y)) for x, y in curves]
+    ys = [[p[x] for p in points if x in p] for x in xs]
+    return (np.array(xs), np.array([np.mean(y) for y in ys]), np.array([min(y) for y in ys]),
+            np.array([max(y) for y in ys]))
 
 
 def plot(runs: list[Run], path: Path) -> None:
@@ -112,10 +126,11 @@ def plot(runs: list[Run], path: Path) -> None:
     groups: dict[str, list[Run]] = {}
     for r in runs:
         groups.setdefault(r.group, []).append(r)
-    cmap = plt.get_cmap("tab10")
+    cmap = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, (name, members) in enumerate(groups.items()):
-        color = cmap(i % 10)
+        color = cmap(i % cmap.N)
+        style = ("-", "--", ":")[(i // cmap.N) % 3]  # past 20 groups colours repeat: the line style tells them apart
         for ax, key in ((axes[0], "val/loss"), (axes[1], "train/loss")):
             curves = []
             for r in members:
@@ -127,7 +142,7 @@ def plot(runs: list[Run], path: Path) -> None:
             band = _mean_band(curves) if curves else None
             if band is not None:
                 x, mean, lo, hi = band
-                ax.plot(x, mean, color=color, lw=2, label=f"{name} (n={len(members)})")
+                ax.plot(x, mean, color=color, lw=2, ls=style, label=f"{name} (n={len(members)})")
                 if len(members) > 1:
                     ax.fill_between(x, lo, hi, color=color, alpha=0.15)
     for ax, title in zip(axes, ("validation loss", "training loss")):
@@ -137,8 +152,24 @@ def plot(runs: list[Run], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)  # then renamed: a reader never sees half a plot
     plt.close(fig)
+    tmp.replace(path)
+
+
+def label_differences(runs: list[Run]) -> None:
+    """Runs of one variant and window that differ in another config key (steps, model, data, optimizer, ...) are
+    not seeds of one configuration: name those keys in their group, so they are never pooled into one mean."""
+    by_base: dict[str, list[tuple[Run, dict]]] = {}
+    for r in runs:
+        r.group_extra = ""
+        by_base.setdefault(r.group, []).append((r, flat_config(r.config)))
+    for members in by_base.values():
+        keys = sorted({k for _, flat in members for k in flat})
+        differing = [k for k in keys if len({flat.get(k) for _, flat in members}) > 1]
+        for r, flat in members:
+            r.group_extra = ", ".join(f"{k}={flat.get(k, '—')}" for k in differing)
 
 
 def compare(paths, out: Path | None = None, plots: bool = True) -> dict:
@@ -149,6 +180,7 @@ def compare(paths, out: Path | None = None, plots: bool = True) -> dict:
     if len({r.config.get("task_name") for r in runs}) > 1:  # several presets: keep their runs apart
         for r in runs:
             r.label = f"{r.config.get('task_name')}: "
+    label_differences(runs)
     rows, eval_keys = run_rows(runs)
     text = ("## Runs\n\n" + markdown_table(rows, eval_keys) + "\n\n## Per configuration (mean ± std over seeds)\n\n"
             + summary_table(rows, eval_keys) + "\n\nFinal values = last logged; tokens/s = median over the run; "
@@ -157,7 +189,7 @@ def compare(paths, out: Path | None = None, plots: bool = True) -> dict:
         out = Path(paths[0]) / "compare" if len(paths) == 1 and not (Path(paths[0]) / "metrics.csv").is_file() \
             else Path("compare")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.md").write_text(text)
+    atomic_write_text(out / "compare.md", text)
     files = [out / "compare.md"]
     if plots:
         plot(runs, out / "val_loss_vs_tokens.png")

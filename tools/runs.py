@@ -15,28 +15,81 @@ from pathlib import Path
 
 
 def read_metrics(path: Path) -> dict[str, dict[int, float]]:
-    """metrics.csv -> {metric: {step: value}} (the last value wins when a step repeats, e.g. after a resume)."""
+    """metrics.csv -> {metric: {step: value}}. The last value wins when a step repeats (a resume), and a restart at an
+    earlier step (the file's steps go backwards) drops what the abandoned attempt logged from that step on."""
     out: dict[str, dict[int, float]] = {}
+    highest = -1
     with open(path) as f:
         for row in csv.DictReader(f):
+            step = int(row["step"])
+            if step < highest:  # resumed from an earlier checkpoint: the rows after it belong to an abandoned attempt
+                for values in out.values():
+                    for s in [s for s in values if s > step]:
+                        del values[s]
+            highest = step
             for key, value in row.items():
                 if key not in ("step", "epoch") and value not in ("", None):
-                    out.setdefault(key, {})[int(row["step"])] = float(value)
+                    out.setdefault(key, {})[step] = float(value)
     return out
 
 
+def _final_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint the run ended with: last.ckpt, else the highest-step one."""
+    folder = run_dir / "checkpoints"
+    if (folder / "last.ckpt").is_file():
+        return folder / "last.ckpt"
+    steps = sorted(folder.glob("step*.ckpt")) if folder.is_dir() else []
+    return steps[-1] if steps else None
+
+
 def read_evals(run_dir: Path) -> dict[str, float]:
-    """{"task/metric": value} from every eval/**/results.json of the run."""
-    out: dict[str, float] = {}
+    """{"task/metric": value} from the eval/**/results.json files that scored the run's final checkpoint (those of
+    an intermediate checkpoint, e.g. eval/probes_step280, are left out), the newest file winning where two give a
+    metric; a warning names the files when their values differ."""
+    final = _final_checkpoint(run_dir)
+    found: list[tuple[float, Path, dict]] = []
     for path in sorted((run_dir / "eval").rglob("results.json")) if (run_dir / "eval").is_dir() else []:
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
             print(f"warning: skipping unreadable {path}: {err}", file=sys.stderr)
             continue
+        scored = data.get("checkpoint")
+        if final is not None and scored and Path(scored).name != final.name and Path(scored).name != "last.ckpt":
+            continue  # an intermediate checkpoint's evaluation
+        found.append((path.stat().st_mtime, path, data))
+    out: dict[str, float] = {}
+    source: dict[str, Path] = {}
+    for _, path, data in sorted(found, key=lambda item: item[0]):
         for entry in data.get("results", []):
             if isinstance(entry, dict) and entry.get("value") is not None and "task" in entry and "metric" in entry:
-                out[f"{entry['task']}/{entry['metric']}"] = float(entry["value"])
+                key, value = f"{entry['task']}/{entry['metric']}", float(entry["value"])
+                if key in out and out[key] != value:
+                    print(f"warning: {run_dir.name}: {key} is {out[key]:.4g} in {source[key]} and {value:.4g} in "
+                          f"{path}; the newer ({path.parent.name}) is shown", file=sys.stderr)
+                out[key], source[key] = value, path
+    return out
+
+
+# Config keys that say where or how a run was launched, logged and evaluated, not what was trained: runs that differ
+# only in these (and the seed) are seeds of one configuration.
+RUN_LOCAL_KEYS = ("seed", "run_name", "ckpt_path", "resume", "task_name", "paths", "logger", "eval", "hydra",
+                  "attention.backend", "attention.eval_seed", "trainer.compile", "trainer.log_every_n_steps",
+                  "trainer.checkpoint_every_n_steps", "trainer.val_every_n_steps", "trainer.enable_progress_bar",
+                  "data.num_workers", "data.probes.file")
+
+
+def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
+    """{"a.b": value as text} for every leaf of the config, run-local keys left out."""
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if any(name == k or name.startswith(k + ".") for k in RUN_LOCAL_KEYS):
+            continue
+        if isinstance(value, dict):
+            out.update(flat_config(value, name + "."))
+        else:
+            out[name] = json.dumps(value, sort_keys=True, default=str)
     return out
 
 
@@ -75,10 +128,14 @@ class Run:
     def seed(self):
         return self.config.get("seed")
 
+    group_extra: str = ""  # what else sets this run apart from runs of its variant and window (tools.compare sets it)
+
     @property
     def group(self) -> str:
-        """Runs that differ only by seed share a group: the variant and, for windowed variants, the window."""
-        return self.label + (self.variant if self.window is None else f"{self.variant} w={self.window}")
+        """Runs that differ only by seed (and run-local keys) share a group: the variant, for windowed variants the
+        window, and any other config key in which runs of that variant and window differ."""
+        base = self.variant if self.window is None else f"{self.variant} w={self.window}"
+        return self.label + base + (f" ({self.group_extra})" if self.group_extra else "")
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         values = self.metrics.get(key, {})
@@ -89,25 +146,48 @@ class Run:
         steps, values = self.series(key)
         return values[-1] if values else None
 
+    def steps_behind(self, step: int, key: str) -> int:
+        """Optimizer steps done when the row of `key` at `step` was logged. Lightning logs a training row, and a
+        periodic validation (every val_every_n_steps), at step s after s + 1 steps; the validation train.py runs
+        before fitting is at step 0 after none, and the one it runs on the final weights when fitting ends between
+        two periodic ones is at step N after N."""
+        every = int(self.config.get("trainer", {}).get("val_every_n_steps", 0) or 0)
+        if not key.startswith("val/"):
+            return step + 1
+        if step == 0 and every != 1:
+            return 0
+        return step + 1 if every and (step + 1) % every == 0 else step
+
+    @property
+    def steps(self) -> int | None:
+        """Optimizer steps run: the latest of the training and validation rows (a run that stops between two
+        training log rows is seen through the validation of its final weights)."""
+        done = []
+        for key in ("train/loss", "val/loss"):
+            steps, _ = self.series(key)
+            if steps:
+                done.append(self.steps_behind(steps[-1], key))
+        return max(done) if done else None
+
     def tokens_per_step(self) -> float | None:
-        """Training tokens per optimizer step: the train/tokens row at step s holds (s + 1) steps' worth."""
+        """Training tokens per optimizer step: the train/tokens row at step s holds (s + 1) steps' worth; a run too
+        short to log one: batch x context x accumulation x devices x nodes from its config, where all are numbers."""
         steps, tokens = self.series("train/tokens")
-        return tokens[-1] / (steps[-1] + 1) if steps else None
+        if steps:
+            return tokens[-1] / (steps[-1] + 1)
+        data, trainer = self.config.get("data", {}), self.config.get("trainer", {})
+        try:
+            if self.config.get("optim", {}).get("tokens_per_step"):  # train.py derives the accumulation from it
+                return float(int(self.config["optim"]["tokens_per_step"]))
+            return float(int(data["batch_size"]) * int(data["seq_len"]) * int(trainer["accumulate_grad_batches"])
+                         * int(trainer["devices"]) * int(trainer["num_nodes"]))
+        except (KeyError, TypeError, ValueError):  # "auto" devices: not knowable from the file
+            return None
 
     def tokens_at(self, steps: list[int], key: str = "val/loss") -> list[float]:
-        """Training tokens behind the rows of `key` at `steps`. Lightning logs a row at step s after s + 1 optimizer
-        steps (train and periodic validation alike), i.e. at the train/tokens value of the same step; the
-        validation train.py runs before fitting is the val row at step 0 and has seen 0 tokens."""
-        per = self.tokens_per_step() or 0.0
-        logged = self.metrics.get("train/tokens", {})
-        every = int(self.config.get("trainer", {}).get("val_every_n_steps", 0) or 0)
-        out = []
-        for s in steps:
-            if key.startswith("val/") and s == 0 and every != 1:
-                out.append(0.0)
-            else:
-                out.append(logged.get(s, (s + 1) * per))
-        return out
+        """Training tokens behind the rows of `key` at `steps` (see steps_behind); [] when unknown."""
+        per = self.tokens_per_step()
+        return [] if per is None else [self.steps_behind(s, key) * per for s in steps]
 
 
 def load_run(path: Path) -> Run:
