@@ -108,6 +108,10 @@ def _check_trainer_and_optim(cfg: DictConfig):
         raise ConfigError("optim.betas", list(o.betas), "two numbers in [0, 1), e.g. [0.9, 0.95]")
     if int(o.warmup_steps) < 0:
         raise ConfigError("optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    schedule = int(o.get("schedule_steps") or t.max_steps)
+    if int(o.warmup_steps) >= schedule:  # legal (short test runs), but rarely meant
+        print(f"warning: optim.warmup_steps={o.warmup_steps} >= the schedule's {schedule} steps: the learning rate "
+              "never leaves warmup (no cosine decay)", file=sys.stderr)
     if not 0 <= float(o.min_lr_ratio) <= 1:
         raise ConfigError("optim.min_lr_ratio", o.min_lr_ratio, "must lie in [0, 1] (a fraction of optim.lr)")
     if o.get("grad_clip") is not None and float(o.grad_clip) < 0:

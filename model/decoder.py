@@ -92,9 +92,12 @@ class Decoder(nn.Module):
         return total
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (6N + attention), for MFU. Attention counts the band actually computed."""
-        w = seq_len if self.attn_cfg.kind == "full" else min(self.attn_cfg.window, seq_len)
-        paths = 2 if self.attn_cfg.kind == "gated_sa_swa" else 1
-        span = seq_len / 2 if self.attn_cfg.kind == "full" else w
-        attn = 12 * self.cfg.n_layers * self.cfg.d_model * span * paths
-        return 6 * self.num_parameters(non_embedding=True) + attn
+        """Training FLOPs per token, for MFU: 6 x (the non-embedding parameters + the LM head's d x V matmul, which runs
+        whether or not it shares the embedding's weights) + attention over the keys a query's band computes, on
+        average: a causal band of w keys (SWA; full attention is w = n) has w - w(w-1)/(2n), SA's permuted band w."""
+        n, kind = seq_len, self.attn_cfg.kind
+        w = n if kind == "full" else min(self.attn_cfg.window, n)
+        causal_band = w - w * (w - 1) / (2 * n)
+        span = {"full": causal_band, "swa": causal_band, "gated_sa_swa": w + causal_band}.get(kind, w)
+        attn = 12 * self.cfg.n_layers * self.cfg.d_model * span
+        return 6 * (self.num_parameters(non_embedding=True) + self.cfg.vocab_size * self.cfg.d_model) + attn

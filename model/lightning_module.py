@@ -21,6 +21,16 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
+_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _unwrapped_name(name: str) -> str:
+    """A parameter's name with the segments that FSDP, activation checkpointing and torch.compile insert removed."""
+    for wrapper in _WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
+
+
 def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float):
     """Linear warmup, then cosine decay to min_lr_ratio * lr at max_steps."""
 
@@ -38,6 +48,10 @@ class LitDecoder(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model = Decoder(ModelConfig(**model), AttentionConfig(**attention), seed=seed)
+        # Which parameters decay, decided on the unwrapped model: under FSDP configure_optimizers sees every parameter
+        # as a flat 1-D shard, so a shape test there would decay nothing. No decay on norms, biases or embeddings
+        # (the tied head shares the embedding).
+        self._decay_names = {n for n, p in self.model.named_parameters() if p.dim() >= 2 and "embed" not in n}
         self.optim_cfg = optim
         self.max_steps = max_steps
         self._last_time = None
@@ -97,10 +111,14 @@ class LitDecoder(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss, _, _ = self._loss(batch)
-        if not torch.isfinite(loss):
+        finite = bool(torch.isfinite(loss.detach()))
+        if self._trainer is not None:  # every rank stops together: a rank left alone would wait in the all-reduce
+            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if not finite:
             raise NonFiniteLossError(
-                f"training loss became {loss.item()} at step {self.global_step}; stopping. The last good checkpoint "
-                "is kept in the run's checkpoints/ folder (try a lower optim.lr or a longer warmup)."
+                f"training loss became non-finite at step {self.global_step} (this rank's: {loss.item()}); stopping. "
+                "The last good checkpoint is kept in the run's checkpoints/ folder (try a lower optim.lr or a longer "
+                "warmup)."
             )
         trainer = self.trainer
         tokens_per_step = batch[:, :-1].numel() * trainer.world_size * trainer.accumulate_grad_batches
@@ -154,10 +172,8 @@ class LitDecoder(L.LightningModule):
     def configure_optimizers(self):
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
-            if not p.requires_grad:
-                continue
-            # No weight decay on norms, biases or embeddings (the tied head shares the embedding).
-            (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
+            if p.requires_grad:
+                (decay if _unwrapped_name(name) in self._decay_names else no_decay).append(p)
         cfg = self.optim_cfg
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],

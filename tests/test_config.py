@@ -98,6 +98,13 @@ def test_tokens_per_step_that_does_not_divide_is_refused_before_data_preparation
     assert not (tmp_path / "cache").exists()  # nothing was tokenized
 
 
+def test_warmup_as_long_as_the_schedule_is_warned_about(tmp_path, corpus_file, capsys):
+    check_config(compose_train(TINY + ["optim.warmup_steps=5", "trainer.max_steps=5"], tmp_path, corpus_file))
+    assert "never leaves warmup" in capsys.readouterr().err
+    check_config(compose_train(TINY + ["optim.warmup_steps=4", "trainer.max_steps=5"], tmp_path, corpus_file))
+    assert "never leaves warmup" not in capsys.readouterr().err
+
+
 def test_window_at_least_context_is_valid(tmp_path, corpus_file):
     cfg = compose_train(TINY + ["attention=swa", "attention.window=4096"], tmp_path, corpus_file)
     check_config(cfg)

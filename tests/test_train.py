@@ -91,6 +91,61 @@ def test_non_finite_loss_stops_with_the_step():
         module.training_step(torch.randint(0, 32, (2, 9)), 0)
 
 
+def test_a_non_finite_loss_on_another_rank_stops_this_one_too(monkeypatch):
+    """Every rank raises at the same micro-batch: a rank left running would wait for the others in the all-reduce."""
+    import lightning as L
+
+    module = LitDecoder(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
+                        attention=dict(kind="sa", window=4), optim={}, max_steps=10)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    module.trainer = trainer
+    votes = []
+    monkeypatch.setattr(trainer.strategy, "reduce_boolean_decision", lambda d, all=True: votes.append(d) or False)
+    with pytest.raises(NonFiniteLossError, match="non-finite at step 0"):
+        module.training_step(torch.randint(0, 32, (2, 9)), 0)
+    assert votes == [True]  # this rank's loss was finite; the collective decision stopped it
+
+
+def test_weight_decay_groups_survive_fsdp_flattening():
+    """FSDP hands configure_optimizers flat 1-D shards under wrapped names: the groups must not depend on shapes."""
+    module = LitDecoder(model=dict(vocab_size=32, n_layers=2, d_model=16, n_heads=2, max_seq_len=16),
+                        attention=dict(kind="gated_sa_swa", window=4),
+                        optim=dict(lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, warmup_steps=1,
+                                   min_lr_ratio=0.1), max_steps=10)
+    expected = sum(p.numel() for n, p in module.model.named_parameters() if p.dim() >= 2 and "embed" not in n)
+
+    class Wrapped(torch.nn.Module):  # the attribute name FSDP gives the module it wraps
+        def __init__(self, inner):
+            super().__init__()
+            self._fsdp_wrapped_module = inner
+
+    module.model.blocks = torch.nn.ModuleList(Wrapped(b) for b in module.model.blocks)
+    for p in module.model.parameters():
+        p.data = p.data.reshape(-1)
+    decay, no_decay = module.configure_optimizers()["optimizer"].param_groups
+    assert decay["weight_decay"] == 0.1 and sum(p.numel() for p in decay["params"]) == expected > 0
+    assert all(p.numel() <= 16 for p in no_decay["params"] if p is not module.model.embed.weight)  # norms, biases
+
+
+def test_flops_per_token_counts_the_head_and_the_matmuls_that_run():
+    """6 x (non-embedding parameters + the tied head's d x V) is what the linear layers run, by torch's FLOP counter
+    (the fused attention kernel is counted apart: aten's counter takes it as dense); SWA with w >= n is full."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def model(**attention):
+        return LitDecoder(model=dict(vocab_size=512, n_layers=2, d_model=64, n_heads=4, max_seq_len=32),
+                          attention=attention, optim={}, max_steps=10).model
+
+    swa = model(kind="swa", window=32, backend="torch")
+    tokens = torch.randint(0, 512, (2, 32))
+    with FlopCounterMode(display=False) as counter:
+        swa(tokens).float().pow(2).mean().backward()
+    linear = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "mm" in str(op))
+    attention = 12 * swa.cfg.n_layers * swa.cfg.d_model * (32 + 1) / 2  # a causal band of w = n keys
+    assert (swa.flops_per_token(32) - attention) * tokens.numel() == pytest.approx(linear, rel=0.01)
+    assert swa.flops_per_token(32) == pytest.approx(model(kind="full").flops_per_token(32))
+
+
 def test_each_micro_batch_of_an_accumulated_step_draws_its_own_permutations(tmp_path):
     import lightning as L
 
