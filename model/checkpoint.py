@@ -23,6 +23,7 @@ class LoadedModel:
     eos_id: int
     checkpoint: Path
     hparams: dict
+    loss_only_after: str | None = None  # the training objective (data.loss_only_after): None = every token
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -65,4 +66,4 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
         raise RuntimeError(f"checkpoint {ckpt_path} carries no tokenizer (written by an older version?)")
     tokenizer = Tokenizer.from_str(ckpt["tokenizer"])
     model.to(device).eval()
-    return LoadedModel(model, tokenizer, eos_id(tokenizer), ckpt_path, hp)
+    return LoadedModel(model, tokenizer, eos_id(tokenizer), ckpt_path, hp, ckpt.get("loss_only_after"))

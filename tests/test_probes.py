@@ -219,6 +219,9 @@ def test_needle_trains_on_its_answers_only(tmp_path, data_cache):
     metrics = train(cfg)
     assert 0.0 <= float(metrics["val/answer_acc"]) <= 1.0 and float(metrics["val/loss"]) > 0
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    from model.checkpoint import load_checkpoint
+
+    assert load_checkpoint(last).loss_only_after == " ?"  # an evaluator can see what the run was trained on
     resumed = compose_train(TINY + probes + ["trainer.max_steps=4", f"ckpt_path={last}"], tmp_path / "resumed",
                             cache=data_cache)
     with pytest.raises(ConfigError, match="trained with ' \\?'"):  # the objective cannot change on resume
