@@ -23,7 +23,9 @@ from data import shards, sources
 from data.tokenizer import eos_id, load_tokenizer, tokenizer_hash, train_bpe
 from model.config import ConfigError
 
-FORMAT_VERSION = 2  # 2: max_tokens is checked after every document (1 overshot by up to 256 documents)
+# 2: max_tokens is checked after every document (1 overshot by up to 256 documents); 3: a special token's text inside
+# a document is text (2 turned a literal "<|endoftext|>" into an EOS, splitting the document)
+FORMAT_VERSION = 3
 
 
 @dataclass
@@ -164,6 +166,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
         tok = train_bpe(head, tok_cfg["vocab_size"])
     shards.atomic_write_bytes(root / "tokenizer.json", [tok.to_str().encode()])
     eos = eos_id(tok)
+    tok.encode_special_tokens = True  # documents are text: EOS only where a document ends, appended below
     dtype = shards.dtype_for_vocab(tok.get_vocab_size())
 
     shard_tokens = int(cfg.get("shard_tokens", 100_000_000))

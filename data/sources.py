@@ -74,7 +74,7 @@ def resolve_files(paths) -> list[str]:
                              if os.path.isfile(p))
             matches = [p for p in matches if not Path(p).name.startswith(".") and Path(p).suffix not in {".md", ".tsv"}]
         else:
-            matches = sorted(glob.glob(pattern, recursive=True))
+            matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))  # not folders
         if not matches:
             raise ConfigError("data.source.paths", pattern, "no such file; give existing files, folders or globs")
         files.extend(matches)
@@ -111,14 +111,16 @@ def hub_documents(name: str, config: str | None, split: str, text_field: str, st
     except Exception as err:  # offline, unknown name, no permission: say how to use local files instead
         raise DataSourceError(
             f"could not open the HuggingFace dataset {name!r} "
-            f"({type(err).__name__}: {str(err).splitlines()[0][:200]}).\n"
+            f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}).\n"
             "This machine may have no hub access. Point the data at local files instead, e.g.\n"
             "  python train.py ... data=files data.source.paths='[/path/to/corpus/*.jsonl.gz]' "
             "data.source.text_field=text\n"
             "(txt, jsonl/json and parquet, gzip-compressed too), or pre-download the dataset and set HF_DATASETS_CACHE."
         ) from err
     for row in ds:
-        if row.get(text_field):
+        if text_field not in row:  # as file_documents: a wrong field name is named, not "the source yielded no text"
+            raise ConfigError("data.source.text_field", text_field, f"not a field of {name}: {sorted(row)}")
+        if row[text_field]:
             yield row[text_field]
 
 

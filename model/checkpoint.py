@@ -65,5 +65,6 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
     if "tokenizer" not in ckpt:
         raise RuntimeError(f"checkpoint {ckpt_path} carries no tokenizer (written by an older version?)")
     tokenizer = Tokenizer.from_str(ckpt["tokenizer"])
+    tokenizer.encode_special_tokens = True  # text is text, as data.prepare encoded the training documents
     model.to(device).eval()
     return LoadedModel(model, tokenizer, eos_id(tokenizer), ckpt_path, hp, ckpt.get("loss_only_after"))

@@ -75,6 +75,43 @@ def test_local_file_formats(tmp_path):
         list(file_documents([str(tmp_path / "missing*.jsonl")]))
 
 
+def test_a_glob_takes_files_only(tmp_path):
+    (tmp_path / "a.txt").write_text("a document")
+    (tmp_path / "x.txt").mkdir()  # a folder whose name matches the glob
+    from data.sources import resolve_files
+
+    assert resolve_files([str(tmp_path / "*.txt")]) == [str(tmp_path / "a.txt")]
+
+
+def test_a_hub_dataset_without_the_text_field_names_the_key(monkeypatch):
+    import datasets
+
+    from data.sources import hub_documents
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: [{"content": "some text"}])
+    with pytest.raises(ConfigError, match="data.source.text_field") as err:
+        list(hub_documents("some/corpus", None, "train", "text"))
+    assert "content" in str(err.value)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: (_ for _ in ()).throw(ValueError()))
+    with pytest.raises(Exception, match="could not open the HuggingFace dataset"):  # an empty message, no IndexError
+        list(hub_documents("some/corpus", None, "train", "text"))
+
+
+def test_special_token_text_inside_a_document_stays_text(tmp_path):
+    """A document quoting "<|endoftext|>" (code, web text about tokenizers) keeps it as text: one EOS per document,
+    at its end, so window_start=document still finds the documents where they begin."""
+    from data.tokenizer import EOS, eos_id
+
+    docs = [f"plain document number {i} about cats and dogs" for i in range(40)]
+    docs[7] = f"a tokenizer marks the end with {EOS} and then goes on"
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepared = prepare(data_cfg([path], vocab=280), tmp_path / "cache", progress=False)
+    eos = eos_id(load_tokenizer(prepared.tokenizer_path))
+    tokens = np.concatenate([shards.read_shard(p) for p in prepared.train_shards + [prepared.val_shard]])
+    assert int((tokens == eos).sum()) == prepared.meta["tokens"]["documents"] == len(docs)
+
+
 def test_embedded_corpus_is_english_prose():
     docs = []
     for doc in embedded_documents():

@@ -272,6 +272,14 @@ def test_table_shows_extra_tasks_as_percent_only_when_they_are_accuracies():
     assert "| 25.0 |" in row and "| 31.50 |" in row  # LAMBADA acc in %, the extra perplexity as is
 
 
+def test_a_loaded_tokenizer_reads_special_token_text_as_text(loaded):
+    """As data.prepare encoded the training documents: a literal "<|endoftext|>" in a prompt is not the EOS."""
+    from data.tokenizer import EOS
+
+    ids = loaded.tokenizer.encode(f"the end {EOS} here").ids
+    assert loaded.eos_id not in ids and EOS in loaded.tokenizer.decode(ids)
+
+
 def test_sa_lm_is_registered_with_lm_eval():
     import evaluation.lm
     from lm_eval.api.registry import get_model
