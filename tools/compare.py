@@ -4,10 +4,11 @@
     python -m tools.compare runs/window_sweep/multirun/<date> runs/ablation/multirun/<date> --out runs/compare
 
 Prints a markdown table (one row per run: variant, window, seed, steps, tokens, final train loss, final val loss,
-val perplexity, tokens/s, parameters, eval metrics found under <run>/eval/**/results.json) and a summary per
-configuration (mean ± std over seeds), and writes compare.md and val_loss_vs_tokens.png (validation and training
-loss against training tokens, one colour per variant and window, thin lines per run, mean and min-max band across
-seeds) to --out (default: <the single directory given>/compare, else ./compare).
+val perplexity, tokens/s, parameters, eval metrics of the final checkpoint under <run>/eval/**/results.json) and a
+summary per configuration (variant, window and any other config key its runs differ in; mean ± std over seeds), and
+writes compare.md and val_loss_vs_tokens.png (validation and training loss against training tokens, one colour per
+configuration, thin lines per run, mean and min-max band across seeds) to --out (default: <the single directory
+given>/compare, else ./compare).
 """
 
 from __future__ import annotations
