@@ -179,10 +179,12 @@ def _wandb_mode(requested: str) -> str:
     return "online" if has_key else "offline"
 
 
-def _loggers(cfg, run_dir: Path):
-    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+def _loggers(cfg, run_dir: Path, resuming: bool):
+    from lightning.pytorch.loggers import WandbLogger
 
-    loggers = [CSVLogger(save_dir=str(run_dir), name="", version="")]
+    from model.csv_log import RunCSVLogger
+
+    loggers = [RunCSVLogger(run_dir, resuming=resuming)]
     wb = cfg.logger.get("wandb") if cfg.get("logger") else None
     if wb:
         mode = _wandb_mode(wb.mode)
@@ -273,7 +275,8 @@ def train(cfg: DictConfig) -> dict:
                                  save_last=True)]
     if cfg.trainer.progress_bar:
         callbacks.append(RichProgressBar(leave=True))
-    loggers = _loggers(cfg, run_dir)
+    ckpt = _resume_checkpoint(cfg, ckpt_dir)
+    loggers = _loggers(cfg, run_dir, resuming=ckpt is not None)
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator, devices=devices, num_nodes=int(cfg.trainer.num_nodes), strategy=strategy,
         precision=_precision(cfg, use_cuda), max_steps=max_steps, max_epochs=-1,
@@ -286,7 +289,6 @@ def train(cfg: DictConfig) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         (run_dir / "git_revision.txt").write_text(_git_revision() + "\n")
-    ckpt = _resume_checkpoint(cfg, ckpt_dir)
     ok = False
     try:
         trainer.validate(module, datamodule=datamodule, verbose=False) if ckpt is None else None

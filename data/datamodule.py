@@ -125,6 +125,19 @@ class _RemainingBatches:
         return self.total
 
 
+class _StepIndexedLoader(DataLoader):
+    """The training loader. Micro-batch i is a function of (seed, rank, i) alone, and train_dataloader() starts at the
+    trainer's step, so the loader resumes mid-epoch with no state of its own (tests/test_train.py: a resumed run's
+    losses equal an uninterrupted run's). The empty state_dict / load_state_dict pair says so to Lightning, which
+    otherwise warns at every such resume that the results may be unreliable."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+
 class TokenDataModule(L.LightningDataModule):
     def __init__(self, train_shards, val_shard, seq_len: int, batch_size: int, seed: int = 0, val_windows: int = 64,
                  val_batch_size: int | None = None, num_workers: int = 0, total_micro_batches: int = 10**9,
@@ -147,8 +160,8 @@ class TokenDataModule(L.LightningDataModule):
         rank = self.trainer.global_rank if self.trainer is not None else 0
         dataset = RandomWindows(self.train_shards, self.seq_len, self.batch_size, self.seed, rank, self.total,
                                 start=self.window_start, eos_id=self.eos_id)
-        return DataLoader(dataset, batch_size=None, sampler=_RemainingBatches(self._start(), self.total),
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return _StepIndexedLoader(dataset, batch_size=None, sampler=_RemainingBatches(self._start(), self.total),
+                                  num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
     def val_dataloader(self):
         dataset = FixedWindows(self.val_shard, self.seq_len, self.val_windows, start=self.window_start,

@@ -11,6 +11,7 @@ import torch
 
 from conftest import ROOT, TINY, compose_train
 from model.lightning_module import LitDecoder, NonFiniteLossError
+from tools.runs import read_metrics as read_run_metrics
 from train import train
 
 
@@ -59,12 +60,39 @@ def test_resumed_run_reproduces_uninterrupted_losses(tmp_path, corpus_file, data
         train(compose_train(common + every + [f"trainer.max_steps={stop}"], run, corpus_file, data_cache))
         resumed_cfg = compose_train(common + every + ["trainer.max_steps=8", "resume=auto"], run, corpus_file,
                                     data_cache)
-        os.rename(run / "metrics.csv", run / "metrics_first.csv")
         train(resumed_cfg)
-        resumed = read_metrics(run)["train/loss"]
-        assert sorted(resumed) == list(range(stop, 8)), stop
-        for step in resumed:
-            assert abs(resumed[step] - full["train/loss"][step]) <= 1e-6, (stop, step)
+        # metrics.csv holds the whole run: the first attempt's rows, then the resumed ones (Lightning's own CSV
+        # logger deleted the first attempt's)
+        history = read_run_metrics(run / "metrics.csv")["train/loss"]
+        assert sorted(history) == list(range(8)), stop
+        for step in history:
+            assert abs(history[step] - full["train/loss"][step]) <= 1e-6, (stop, step)
+
+
+def test_metrics_csv_is_appended_on_resume_and_moved_aside_by_a_fresh_run(tmp_path):
+    from model.csv_log import RunCSVLogger
+
+    path = tmp_path / "metrics.csv"
+    first = "epoch,step,train/loss\n0,0,5.0\n0,1,4.5\n"
+    path.write_text(first)
+    resumed = RunCSVLogger(tmp_path, resuming=True)
+    resumed.log_metrics({"train/loss": 4.25}, step=2)
+    resumed.save()
+    resumed.log_metrics({"val/loss": 4.0}, step=2)  # a column the first attempt never logged
+    resumed.save()
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["step"], r["train/loss"], r["val/loss"]) for r in rows] == [
+        ("0", "5.0", ""), ("1", "4.5", ""), ("2", "4.25", ""), ("2", "", "4.0")]
+    assert rows[0]["epoch"] == "0"
+
+    before = path.read_text()
+    fresh = RunCSVLogger(tmp_path, resuming=False)
+    fresh.log_metrics({"train/loss": 6.0}, step=0)
+    fresh.save()
+    assert (tmp_path / "metrics.previous-1.csv").read_text() == before  # moved aside, not deleted
+    assert [r["train/loss"] for r in csv.DictReader(path.open())] == ["6.0"]
+    RunCSVLogger(tmp_path, resuming=False).log_metrics({"train/loss": 7.0}, step=0)
+    assert (tmp_path / "metrics.previous-2.csv").is_file()
 
 
 def test_final_weights_are_validated_when_the_last_step_is_not_a_validation_step(tmp_path, corpus_file, data_cache):
