@@ -15,10 +15,12 @@ Backends (``backend=``):
 from __future__ import annotations
 
 import importlib.util
+import operator
 import os
 
 import torch
 
+from kernels.order import check_perm as check_perm_rows
 from kernels.order import check_qkv
 
 BACKENDS = ("auto", "torch", "triton", "flex", "naive")
@@ -26,6 +28,12 @@ BACKENDS = ("auto", "torch", "triton", "flex", "naive")
 
 def default_band(window: int, permuted: bool) -> tuple[int, int]:
     """(left, right) band for `window` slots including self: causal (w-1, 0) in original order, symmetric under pi."""
+    if isinstance(window, bool):
+        raise TypeError(f"window must be an integer number of slots, got {window!r}")
+    try:
+        window = operator.index(window)
+    except TypeError:
+        raise TypeError(f"window must be an integer number of slots, got {window!r}") from None
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     if not permuted:
@@ -75,14 +83,18 @@ def banded_attention(
     band: tuple[int, int] | None = None,
     scale: float | None = None,
     backend: str = "auto",
+    check_perm: bool = True,
 ) -> torch.Tensor:
-    """Banded attention. q [B,Hq,n,D], k/v [B,Hkv,n,D] in original order; perm None (SWA) or [n] / [B,n] (SA)."""
+    """Banded attention. q [B,Hq,n,D], k/v [B,Hkv,n,D] in original order; perm None (SWA) or [n] / [B,n] (SA).
+
+    ``check_perm``: verify that every row of perm is a permutation of 0..n-1 (a wrong one makes the Triton kernel
+    read and write out of bounds). On a GPU that waits for the device; the model's own pi skips it.
+    """
     check_qkv(q, k, v)
-    n = q.shape[2]
-    if perm is not None and (perm.shape[-1] != n or perm.dim() not in (1, 2)
-                             or (perm.dim() == 2 and perm.shape[0] != q.shape[0])):
-        raise ValueError(f"perm must have shape [n] or [B, n] with B={q.shape[0]}, n={n}, got {tuple(perm.shape)}")
+    if perm is not None:
+        check_perm_rows(perm, q.shape[2], q.shape[0], values=check_perm and not torch.compiler.is_compiling())
     left, right = band if band is not None else default_band(window, perm is not None)
+    left, right = operator.index(left), operator.index(right)
     if left < 0 or right < 0:
         raise ValueError(f"band must be non-negative (every query sees itself), got left={left}, right={right}")
     name = resolve_backend(backend, q.device, q)

@@ -14,8 +14,9 @@ graph inputs, so a new pos does not recompile).
 
 CPU: torch 2.13 has no FlexAttention backward on CPU; asking for gradients raises a RuntimeError that points to
 backend=torch. One module-level ``torch.compile(flex_attention)`` per device type is built on first use and reused
-(static shapes on CPU, see _flex_fn); on CPU a failed compile falls back to eager flex with a warning (eager flex
-materialises the full score matrix: tests and small inputs only).
+(static shapes on CPU, see _flex_fn, with lengths padded to a power of two so that few compile); on CPU a failed
+compile falls back to eager flex with a warning (eager flex materialises the full score matrix: tests and small
+inputs only).
 """
 
 from __future__ import annotations
@@ -147,6 +148,39 @@ def _sa_block_mask(n: int, left: int, right: int, pos: torch.Tensor) -> BlockMas
     )
 
 
+def _block_mask(n: int, left: int, right: int, pos: torch.Tensor | None, device: str) -> BlockMask:
+    if pos is None:
+        return _swa_block_mask(n, left, 0, device)  # pos = slot: causality caps the band at j <= i
+    return _sa_block_mask(n, left, right, pos)
+
+
+def _bucket(n: int) -> int:
+    """CPU compiles one kernel per length (static shapes): lengths run padded to a power of two >= one block."""
+    return max(BLOCK_SIZE, 1 << (n - 1).bit_length())
+
+
+# Distinct lengths, head counts, dtypes and mask kinds each compile once; dynamo's default of 8 per function would
+# otherwise turn later calls into eager flex silently (the full n x n scores).
+_CPU_RECOMPILE_LIMIT = 64
+
+
+def _cpu_compiled(fn, q, k, v, left: int, right: int, pos, scale: float, enable_gqa: bool) -> torch.Tensor:
+    """The compiled CPU kernel on storage-order q/k/v, padded to _bucket(n) slots. Pad slots come after every token
+    in original order (pos n, n+1, ...; for SWA their slots are right of every real query), so no real query sees
+    one; their own rows are dropped."""
+    n = q.shape[2]
+    n_run = _bucket(n)
+    if n_run > n:
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, n_run - n)) for t in (q, k, v))
+        if pos is not None:
+            tail = torch.arange(n, n_run, device=pos.device, dtype=pos.dtype)
+            pos = torch.cat([pos, tail.expand(*pos.shape[:-1], n_run - n)], dim=-1)
+    block_mask = _block_mask(n_run, left, right, pos, str(q.device))
+    with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, _CPU_RECOMPILE_LIMIT)):
+        out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    return out[:, :, :n]
+
+
 def flex_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None, *, compiled: bool | None = None):
     """FlexAttention banded attention. q [B,Hq,n,D], k/v [B,Hkv,n,D] in original order; perm None, [n] or [B,n].
 
@@ -172,19 +206,20 @@ def flex_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None,
     compiled = _default_compiled() if compiled is None else compiled
     device = str(q.device)
 
-    if perm is None:
-        block_mask = _swa_block_mask(n, left, 0, device)  # pos = slot: causality caps the band at j <= i
-    else:
+    if perm is not None:
         if perm.shape[-1] != n or perm.dim() not in (1, 2) or (perm.dim() == 2 and perm.shape[0] != B):
             raise ValueError(f"perm must have shape [n] or [B, n] with B={B}, n={n}; got {tuple(perm.shape)}")
         perm = perm.to(device=q.device, dtype=torch.long)
         q, k, v = (gather_rows(t, perm) for t in (q, k, v))
-        block_mask = _sa_block_mask(n, left, right, perm)
+    block_mask = _block_mask(n, left, right, perm, device)
 
     enable_gqa = Hq != k.shape[1]
     fn = _flex_fn(compiled, q.device.type)
     try:
-        out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+        if fn is flex_attention or q.device.type != "cpu":
+            out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+        else:
+            out = _cpu_compiled(fn, q, k, v, left, right, perm, scale, enable_gqa)
     except Exception as err:  # noqa: BLE001 - only a failed CPU compile is recovered, everything else re-raises
         if fn is flex_attention or q.device.type != "cpu":
             raise

@@ -34,8 +34,36 @@ def scatter_rows(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """The layout every attention op here takes: q [B, Hq, n, D], k / v [B, Hkv, n, D] with Hq a multiple of Hkv."""
+    """The layout every attention op here takes: q [B, Hq, n, D], k / v [B, Hkv, n, D] with Hq a multiple of Hkv,
+    one dtype and one device."""
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"expected q [B,Hq,n,D] and k, v [B,Hkv,n,D]; got {tuple(q.shape)}, {tuple(k.shape)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def check_perm(perm: torch.Tensor, n: int, batch: int, values: bool = True) -> None:
+    """perm must be [n] or [batch, n] integers, each row (with `values`) a permutation of 0..n-1. Kernels move rows
+    through it: an entry out of range reads (in Triton, writes) outside the tensors, a repeated one leaves rows
+    unwritten. On a GPU the values check waits for the device, so callers whose pi comes from PermutationSampler
+    skip it."""
+    if perm.dim() not in (1, 2) or perm.shape[-1] != n or (perm.dim() == 2 and perm.shape[0] != batch):
+        raise ValueError(f"perm must have shape [n] or [B, n] with B={batch}, n={n}, got {tuple(perm.shape)}")
+    if perm.dtype.is_floating_point or perm.dtype.is_complex or perm.dtype == torch.bool:
+        raise TypeError(f"perm must be an integer tensor (original position of each slot), got {perm.dtype}")
+    if n == 0 or not values:
+        return
+    rows = perm.reshape(-1, n).long()
+    lo, hi = (int(x) for x in rows.aminmax())
+    if lo < 0 or hi >= n:
+        raise ValueError(f"perm entries must lie in [0, {n}), got entries from {lo} to {hi}")
+    missing = ~torch.zeros_like(rows, dtype=torch.bool).scatter_(1, rows, True)
+    if bool(missing.any()):
+        row = int(missing.any(1).nonzero()[0])
+        where = f"perm[{row}]" if perm.dim() == 2 else "perm"
+        raise ValueError(f"{where} is not a permutation of 0..{n - 1}: it repeats entries and misses "
+                         f"{int(missing[row].sum())} (e.g. {int(missing[row].nonzero()[0])})")

@@ -74,9 +74,9 @@ class Attention(nn.Module):
 
             y = moba_attention(q, k, v, block_size=max(1, w // 2), top_k=2)
         elif kind == "sa":
-            y = banded_attention(q, k, v, w, perm=perm, backend=backend)
+            y = banded_attention(q, k, v, w, perm=perm, backend=backend, check_perm=False)  # the sampler's pi
         else:
-            y_sa = banded_attention(q, k, v, w, perm=perm, backend=backend)
+            y_sa = banded_attention(q, k, v, w, perm=perm, backend=backend, check_perm=False)
             y_swa = banded_attention(q, k, v, w, backend=backend)
             g = torch.sigmoid(self.gate(x)).transpose(1, 2).unsqueeze(-1)  # [B, 2H, n, 1]
             y = g[:, :H] * y_sa + g[:, H:] * y_swa

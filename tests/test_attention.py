@@ -157,6 +157,45 @@ def test_bad_arguments_are_refused():
         banded_attention(q, k, v, 4, band=(-1, 2))
 
 
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("backend", ["torch", "naive", "flex", "triton"])
+def test_a_perm_that_is_not_a_permutation_is_refused(backend, monkeypatch):
+    """Out of range, Triton read past the tensors (-1 crashed the process); a repeated entry left rows unwritten
+    (Triton) or took an inverse from uninitialised memory (torch): each is refused before a kernel runs."""
+    monkeypatch.setenv("SA_FLEX_COMPILE", "0")  # eager flex: the check comes first either way
+    q, k, v = make_qkv(2, 2, 2, 8, 16, seed=0)
+    good = torch.stack([torch.randperm(8), torch.randperm(8)])
+    bad = {
+        "out of range": (good.clone().index_fill_(1, torch.tensor([3]), 8), ValueError, r"\[0, 8\)"),
+        "negative": (good.clone().index_fill_(1, torch.tensor([0]), -1), ValueError, r"\[0, 8\)"),
+        "repeated": (torch.cat([good[:1], torch.tensor([[0, 1, 2, 3, 4, 5, 6, 6]])]), ValueError,
+                     r"perm\[1\] is not a permutation of 0..7: it repeats entries and misses 1 \(e.g. 7\)"),
+        "float": (good.float(), TypeError, "integer"),
+        "bool": (good > 3, TypeError, "integer"),
+    }
+    for name, (perm, error, message) in bad.items():
+        with pytest.raises(error, match=message):
+            banded_attention(q, k, v, 4, perm=perm, backend=backend)
+    with pytest.raises(ValueError, match="not a permutation"):  # a shared [n] pi too
+        banded_attention(q, k, v, 4, perm=torch.zeros(8, dtype=torch.long), backend=backend)
+    with torch.no_grad():  # int32 and a strided view are fine
+        out = banded_attention(q, k, v, 4, perm=good.int().t().contiguous().t(), backend=backend)
+        ref = banded_attention(q, k, v, 4, perm=good, backend="naive")
+    assert rel_err(out, ref) <= 1e-5
+
+
+def test_inputs_of_mixed_dtype_or_a_fractional_window_are_refused():
+    q, k, v = make_qkv(1, 2, 2, 8, 16, seed=0)
+    with pytest.raises(TypeError, match="one dtype"):
+        banded_attention(q, k.half(), v, 4)
+    with pytest.raises(TypeError, match="integer number of slots"):
+        banded_attention(q, k, v, 2.5)
+    with pytest.raises(TypeError, match="integer number of slots"):
+        banded_attention(q, k, v, True)
+    with pytest.raises(TypeError):
+        banded_attention(q, k, v, 4, band=(2.0, 1))
+
 def test_auto_backend_picks_one_that_takes_the_input():
     from kernels import resolve_backend
 

@@ -51,6 +51,9 @@ CASES = [
     (1, 4, 2, 60, 32, 8, "shared"),
     (2, 4, 1, 300, 16, 200, "none"),
     (2, 2, 1, 300, 16, 64, "batch"),
+    (2, 2, 2, 128, 64, 128, "none"),
+    (2, 4, 1, 257, 64, 64, "batch"),
+    (1, 2, 2, 1000, 16, 3, "shared"),
 ]
 
 
@@ -62,6 +65,18 @@ def test_eager_matches_naive(kf, B, Hq, Hkv, n, D, w, kind):
     ref = naive_banded_attention(q, k, v, left, right, perm)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, ref) <= TOL
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp16_matches_naive(kf, compiled):
+    """fp16 inputs, the reference in fp32 on the same (rounded) values; 5e-3 of the reference norm."""
+    q, k, v, perm = make_case(2, 4, 2, 257, 64, "batch", seed=11)
+    q, k, v = (t.half() for t in (q, k, v))
+    for p in (None, perm):
+        left, right = default_band(64, p is not None)
+        out = kf.flex_banded_attention(q, k, v, left, right, p, compiled=compiled)
+        assert out.dtype == torch.float16
+        assert rel_err(out, naive_banded_attention(q.float(), k.float(), v.float(), left, right, p)) <= 5e-3
 
 
 def _blocks(dense: torch.Tensor, n: int, bs: int):
@@ -113,6 +128,12 @@ def test_compiled_matches_naive(kf):
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = kf.flex_banded_attention(q, k, v, left, right, new_pi.to(q.device), compiled=True)
     assert rel_err(out, naive_banded_attention(q, k, v, left, right, new_pi.to(q.device))) <= TOL
+    if DEVICE == "cpu":  # static shapes there: lengths run padded to a power of two, so 257..512 share one kernel
+        for n in (257, 511, 512):
+            q, k, v, perm = make_case(2, 4, 2, n, 16, "batch", n)
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                out = kf.flex_banded_attention(q, k, v, left, right, perm, compiled=True)
+            assert rel_err(out, naive_banded_attention(q, k, v, left, right, perm)) <= TOL, n
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU-only limitation")
