@@ -27,6 +27,12 @@ _sdpa_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _sdpa_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def _empty(shape, like: torch.Tensor) -> torch.Tensor:
+    """Allocator of every buffer the blocked path fills (tests swap in a NaN-filled one to prove each is fully
+    written)."""
+    return like.new_empty(shape)
+
+
 def _block_size(n: int, left: int, right: int) -> int:
     """Work per query ~ block + left + right and overhead ~ n / block: 128 rows balance the two for w ~ 256."""
     return int(min(max(16, 1 << math.ceil(math.log2(max(1, (left + right + 1) // 2)))), 128,
@@ -62,7 +68,7 @@ class _BandedSDPA(torch.autograd.Function):
         B, H, n, D = q.shape
         nb = math.ceil(n / block)
         span, Lq, Lk = block + left + right, nb * block, nb * block + left + right
-        out = q.new_empty(B, H, n, D)
+        out = _empty((B, H, n, D), q)
         saved = []
         for b in range(B):
             p, ip = _row(perm, b), _row(inv, b)
@@ -85,7 +91,7 @@ class _BandedSDPA(torch.autograd.Function):
         B, H, n, D, left, right, block, scale = ctx.shape
         nb = math.ceil(n / block)
         span, Lq, Lk = block + left + right, nb * block, nb * block + left + right
-        dq, dk, dv = (grad_out.new_empty(B, H, n, D) for _ in range(3))
+        dq, dk, dv = (_empty((B, H, n, D), grad_out) for _ in range(3))
         for b in range(B):
             p, ip = _row(perm, b), _row(inv, b)
             qb, kb, vb, o, lse = saved[5 * b : 5 * b + 5]
@@ -124,7 +130,7 @@ def _gather_padded(x, index, before: int, after: int):
     if index is None and not (before or after):
         return x.contiguous()
     H, n, D = x.shape
-    out = x.new_empty(H, before + n + after, D)
+    out = _empty((H, before + n + after, D), x)
     out[:, :before].zero_()
     out[:, before + n :].zero_()
     _gather_into(out[:, before : before + n], x, index, dim=1)
@@ -154,7 +160,7 @@ def _fold_spans(g, block: int, L: int):
     nb, H, span, D = g.shape
     g = g.transpose(1, 2)  # [nb, span, H, D]: the memory order
     chunks = math.ceil(span / block)
-    out = g.new_empty((nb + chunks) * block, H, D)
+    out = _empty(((nb + chunks) * block, H, D), g)
     out[nb * block :].zero_()
     out[: nb * block].view(nb, block, H, D).copy_(g[:, :block])  # offset 0 covers every row once
     for c in range(1, chunks):
