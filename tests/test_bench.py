@@ -56,6 +56,23 @@ def test_attention_benchmark_subset_of_variants(tmp_path):
     assert "| 64 | torch | fwd | - | - |" in (out / "attention_cpu_fp32.md").read_text()
 
 
+def test_a_backend_that_fails_its_gate_is_not_timed(tmp_path, monkeypatch):
+    import bench.attention as ba
+
+    assert ba.correctness_ok("torch", torch.device("cpu"), torch.float32, heads=2, head_dim=16) == (True, "ok")
+    real = ba.banded_attention
+    monkeypatch.setattr(ba, "banded_attention", lambda *a, **k: real(*a, **k) * 1.001)
+    ok, why = ba.correctness_ok("torch", torch.device("cpu"), torch.float32, heads=2, head_dim=16)
+    assert not ok and why.startswith("out relative error 1.00e-03 > 1e-04")
+    assert ba.GATE_TOLERANCE[torch.float16] == 5e-3
+    out = tmp_path / "results"  # no backend passes: a clear exit, no table or CSV
+    proc = run_module(["bench.attention", "--device", "cpu", "--n", "64", "--window", "16", "--heads", "2",
+                       "--head-dim", "16", "--reps", "1", "--backends", "nope", "--out", str(out)], tmp_path)
+    assert proc.returncode == 1 and "nothing was timed" in proc.stderr, proc.stderr[-2000:]
+    assert "correctness gate nope: FAILED - not timed: ValueError" in proc.stdout
+    assert not list(out.glob("attention_*"))
+
+
 def test_host_overhead_benchmark(tmp_path):
     proc = run_module(["bench.host_overhead", "--n", "64", "--calls", "5"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
