@@ -136,6 +136,21 @@ def test_compiled_matches_naive(kf):
             assert rel_err(out, naive_banded_attention(q, k, v, left, right, perm)) <= TOL, n
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="flex has a backward on CUDA only")
+@pytest.mark.parametrize("kind", ["none", "batch"])
+def test_cuda_gradients_match_naive(kf, kind):
+    q, k, v, perm = make_case(2, 4, 2, 300, 64, kind, seed=12)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    left, right = default_band(64, perm is not None)
+    out = kf.flex_banded_attention(q, k, v, left, right, perm, compiled=True)
+    ref = naive_banded_attention(q, k, v, left, right, perm)
+    grad_out = torch.randn_like(ref)
+    assert rel_err(out, ref) <= 1e-4
+    for name, a, b in zip("qkv", torch.autograd.grad(out, (q, k, v), grad_out),
+                          torch.autograd.grad(ref, (q, k, v), grad_out)):
+        assert rel_err(a, b) <= 1e-4, f"d{name}"
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU-only limitation")
 def test_grad_on_cpu_raises_clear_error(kf):
     q, k, v, perm = make_case(1, 2, 1, 20, 16, "batch", 3)
