@@ -2,7 +2,7 @@
 # Everything GPU-side in one call (a GPU lease is short): kernel tests on the GPU, the attention benchmark (the
 # issue's B=1 H=16 shape, then the paper-like batch of 8), and whole-model training throughput. From the repo root:
 #     OUT=bench/results/gpu_session bash bench/gpu_session.sh
-# With a baseline for the A/B stage (~9.75 min for stages 1-6, stage 7 takes what is left of a 595 s run; on a
+# With a baseline for the A/B stage (stages 1-6 take at most ~9 min; 7 and 8 use what is left of a 595 s run; on a
 # lent machine whose $OUT comes back):
 #     D=$OUT; OUT=/tmp/gs PACK=$D/gpu_session.tgz BASELINE=.baseline bash bench/gpu_session.sh 2>&1 | tee $D/stdout.log
 # Each stage has its own time limit, so a slow stage cannot starve the later ones. Logs and CSVs go to $OUT and,
@@ -13,20 +13,22 @@ OUT=${OUT:-bench/results/gpu_session}
 PY=${PYTHON:-python3}
 RES=bench/results
 mkdir -p "$OUT" "$RES/b8"
+OUT=$(cd "$OUT" && pwd)  # absolute: the A/B stage runs from other folders
 PACK=${PACK:-$OUT.tgz}
-pack() { tar czf "$PACK" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
+pack() { tar czf "$PACK.tmp" -C "$(dirname "$OUT")" "$(basename "$OUT")" && mv "$PACK.tmp" "$PACK"; }  # atomic
+status() { echo "-- stage $1 exit code $2 (124: stopped at its time limit)"; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:tests HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 $PY -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
 
 echo "== 1. Triton kernel tests on the GPU (bf16 / long-sequence tests included; one pinned config), compiled blocks"
-SA_TRITON_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-90}" $PY -m pytest -q -m "not slow" -n "${TEST_WORKERS:-12}" \
+SA_TRITON_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-80}" $PY -m pytest -q -m "not slow" -n "${TEST_WORKERS:-12}" \
     -o addopts="" tests/test_kernels_triton.py tests/test_compile.py > "$OUT/tests.log" 2>&1
 echo "pytest exit code $?"; grep -E "passed|failed|Error|FAILED" "$OUT/tests.log" | tail -15
 
 echo "== 1b. what this Triton version's compiler makes of the kernels (pipeline depth, registers; no launch)"
-timeout 30 $PY -m bench.kernel_schedule 2>&1 | tee "$OUT/kernel_schedule.log"
+timeout 25 $PY -m bench.kernel_schedule 2>&1 | tee "$OUT/kernel_schedule.log"; status 1b "${PIPESTATUS[0]}"
 
 # A kernel change measured side by side: BASELINE names a folder holding an earlier kernels/ (this tree's bench
 # code times it), e.g.  rm -rf .baseline && mkdir .baseline && git archive <commit> kernels | tar -x -C .baseline
@@ -39,37 +41,47 @@ if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kernels" ]; then
     sed -i 's/"num_warps": 4, "num_stages": 2}/"num_warps": 4, "num_stages": 3}/' "$BASELINE/kernels/triton_band.py"
     grep -q '"num_stages": 3' "$BASELINE/kernels/triton_band.py" || echo "warning: baseline pin not 3 stages"
     # baseline; this tree with one masked loop per tile range (SA_TRITON_SPLIT=0); this tree as it runs by default
+    i=0
     for side in "$BASELINE:1" "$ROOT:0" "$ROOT:1"; do  # run from inside the folder: python -m puts the cwd first
+        i=$((i + 1))
         (cd "${side%:*}" && echo "kernels: ${side%:*} SA_TRITON_SPLIT=${side##*:}" && PYTHONPATH="$ROOT:$ROOT/tests" \
-            SA_TRITON_AUTOTUNE=0 SA_TRITON_SPLIT=${side##*:} timeout "${AB_TIMEOUT:-40}" $PY -m bench.attention \
-            --n 8192 32768 --backends triton --variants full swa sa --out /tmp/ab 2>&1 | grep -A8 "^| n ")
+            SA_TRITON_AUTOTUNE=0 SA_TRITON_SPLIT=${side##*:} timeout "${AB_TIMEOUT:-45}" $PY -m bench.attention \
+            --n 8192 32768 --backends triton --variants full swa sa --out "$OUT/ab_$i" > "$OUT/ab_$i.log" 2>&1
+         status "2.$i" $?; grep -E "FAILED|correctness gate" "$OUT/ab_$i.log"; grep -A8 "^| n " "$OUT/ab_$i.log")
     done 2>&1 | tee "$OUT/ab.log"
 fi
 echo "== 2b. host cost of the Triton wrapper per call (launches stubbed; this machine's CPU)"
-timeout 20 $PY -m bench.host_overhead 2>&1 | tee "$OUT/host.log"
+timeout 15 $PY -m bench.host_overhead 2>&1 | tee "$OUT/host.log"; status 2b "${PIPESTATUS[0]}"
 pack
-echo "== 3. attention benchmark (bf16, B=1 H=16 D=64 w=256, n=2048..32768; triton, flex, SDPA)"
-timeout "${BENCH_TIMEOUT:-160}" $PY -m bench.attention --out "$RES" 2>&1 | tee "$OUT/bench.log" | grep -v "^n="
+echo "== 3. attention benchmark (bf16, B=1 H=16 D=64 w=256, n=2048..32768; triton and SDPA; flex in stage 7)"
+timeout "${BENCH_TIMEOUT:-150}" $PY -m bench.attention --backends triton --out "$RES" 2>&1 | tee "$OUT/bench.log" \
+    | grep -v "^n="; status 3 "${PIPESTATUS[0]}"
 cp "$RES/attention_gpu_bf16.csv" "$OUT/" 2>/dev/null
 
 pack
-echo "== 4. GPU time alone (calls replayed from a CUDA graph, no host launch cost): triton vs SDPA"
-timeout "${GRAPHS_TIMEOUT:-60}" $PY -m bench.attention --graphs --n 2048 8192 32768 --backends triton \
-    --out "$RES/graphs" 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^n="
+echo "== 4. GPU time alone (calls replayed from a CUDA graph: no host launch cost, and a warm L2): triton vs SDPA"
+timeout "${GRAPHS_TIMEOUT:-45}" $PY -m bench.attention --graphs --n 2048 8192 32768 --backends triton \
+    --out "$RES/graphs" 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^n="; status 4 "${PIPESTATUS[0]}"
 cp "$RES/graphs/attention_gpu_bf16_graphs.csv" "$OUT/" 2>/dev/null
 
 pack
 echo "== 5. attention benchmark, paper-like batch: B=8 H=16 D=64 w=256 (triton vs SDPA)"
-timeout "${BENCH_B8_TIMEOUT:-60}" $PY -m bench.attention --batch 8 --n 2048 8192 --backends triton \
-    --out "$RES/b8" 2>&1 | tee "$OUT/bench_b8.log" | grep -v "^n="
+timeout "${BENCH_B8_TIMEOUT:-45}" $PY -m bench.attention --batch 8 --n 2048 8192 --backends triton \
+    --out "$RES/b8" 2>&1 | tee "$OUT/bench_b8.log" | grep -v "^n="; status 5 "${PIPESTATUS[0]}"
 cp "$RES/b8/attention_gpu_bf16.csv" "$OUT/attention_gpu_bf16_b8.csv" 2>/dev/null
 
 pack
 echo "== 6. whole model: 360M decoder, B=8, n=2048, bf16 autocast, fwd+bwd per variant"
-timeout "${MODEL_TIMEOUT:-45}" $PY -m bench.model --model 360m --batch 8 --out "$OUT" 2>&1 | tee "$OUT/model.log" \
-    | grep -v "^{"
+timeout "${MODEL_TIMEOUT:-40}" $PY -m bench.model --model 360m --batch 8 --out "$OUT" 2>&1 | tee "$OUT/model.log" \
+    | grep -v "^{"; status 6 "${PIPESTATUS[0]}"
 pack
-echo "== 7. whole model with compiled blocks (trainer.compile), gated SA+SWA eager vs compiled; uses what time is left"
-timeout "${MODEL_COMPILE_TIMEOUT:-90}" $PY -m bench.model --model 360m --batch 8 --variants gated_sa_swa --compile \
-    --out "$OUT/compiled" 2>&1 | tee "$OUT/model_compiled.log" | grep -v "^{"
+# What is left of the run (~55 s when every stage above takes its whole limit) goes to the two stages below.
+echo "== 7. FlexAttention SA/SWA, the peer the Triton kernels must beat (its GPU code is unchanged since 2026-11-30)"
+timeout "${FLEX_TIMEOUT:-60}" $PY -m bench.attention --backends flex --n 2048 8192 32768 --out "$RES/flex" 2>&1 \
+    | tee "$OUT/bench_flex.log" | grep -v "^n="; status 7 "${PIPESTATUS[0]}"
+cp "$RES/flex/attention_gpu_bf16.csv" "$OUT/attention_gpu_bf16_flex.csv" 2>/dev/null
+pack
+echo "== 8. whole model with compiled blocks (trainer.compile), gated SA+SWA; its eager time is stage 6's"
+timeout "${MODEL_COMPILE_TIMEOUT:-90}" $PY -m bench.model --model 360m --batch 8 --variants gated_sa_swa \
+    --compiled-only --out "$OUT/compiled" 2>&1 | tee "$OUT/model_compiled.log" | grep -v "^{"; status 8 "${PIPESTATUS[0]}"
 pack

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -145,13 +146,13 @@ def compile_kernel(kernel: str, block_m: int, block_n: int, num_warps: int, num_
 
 
 def cuobjdump_path() -> str | None:
-    """The cuobjdump that Triton's CUDA backend ships (with ptxas), or None without Triton or that backend."""
+    """The cuobjdump that Triton's CUDA backend ships (with ptxas), else one on PATH, else None."""
     try:
         import triton
     except ImportError:
         return None
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    return tool if os.path.exists(tool) else None
+    return tool if os.path.exists(tool) else shutil.which("cuobjdump")  # else a CUDA toolkit's
 
 
 def _cuobjdump(cubin: bytes, *flags: str) -> list[str]:

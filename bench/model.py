@@ -3,6 +3,7 @@
     python -m bench.model                               # CPU: the small default model, n=256
     python -m bench.model --model 360m --seq-len 2048 --batch 8   # GPU: the paper's shape (bf16 autocast)
     python -m bench.model --compile                     # also each variant with compiled blocks (trainer.compile)
+    python -m bench.model --compiled-only               # compiled blocks only
 
 Times one training step without the optimizer (the part attention changes), median over steps after warm-up, and
 prints tokens/s and the step time relative to full attention. Writes bench/results/model_<device>_<model>_n<n>.csv.
@@ -65,6 +66,7 @@ def main():
     p.add_argument("--backend", default="auto")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--compile", action="store_true", help="time every variant eager and with compiled blocks")
+    p.add_argument("--compiled-only", action="store_true", help="time every variant with compiled blocks only")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
     keep_freed_memory()  # as train.py does
@@ -77,7 +79,7 @@ def main():
     autocast = device.type == "cuda"
     rows = []
     for kind in args.variants:
-        for compiled in (False, True) if args.compile else (False,):
+        for compiled in (True,) if args.compiled_only else (False, True) if args.compile else (False,):
             torch.manual_seed(0)
             model = Decoder(cfg, AttentionConfig(kind=kind, window=args.window, backend=args.backend))
             model = model.to(device).train()

@@ -50,9 +50,11 @@ def test_compiled_blocks_match_the_eager_model(kind, backend, layout, monkeypatc
         import kernels.torch_band
 
         monkeypatch.setattr(kernels.torch_band, "DENSE_MAX_N", 0)
-    eager, compiled = tiny_decoder(kind, backend), tiny_decoder(kind, backend)
+    # the Triton backend runs on the GPU where there is one (the GPU session runs this file), else interpreted
+    device = "cuda" if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    eager, compiled = tiny_decoder(kind, backend).to(device), tiny_decoder(kind, backend).to(device)
     compiled.compile_blocks()
-    tokens = torch.randint(0, 97, (2, 75))  # not a multiple of any tile
+    tokens = torch.randint(0, 97, (2, 75), device=device)  # not a multiple of any tile
     for step in (3, 4):  # two training passes: each draws fresh permutations
         eager.sampler.step = compiled.sampler.step = step
         with torch._dynamo.config.patch(error_on_recompile=step == 4):  # a new pi must not recompile the block
