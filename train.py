@@ -276,7 +276,10 @@ def train(cfg: DictConfig) -> dict:
     if cfg.trainer.progress_bar:
         callbacks.append(RichProgressBar(leave=True))
     ckpt = _resume_checkpoint(cfg, ckpt_dir)
-    loggers = _loggers(cfg, run_dir, resuming=ckpt is not None)
+    # this run's own history continues only from one of its own checkpoints (a ckpt_path from another run starts a
+    # new metrics.csv, and an old one in this folder is moved aside)
+    resuming = ckpt is not None and Path(ckpt).resolve().parent == ckpt_dir.resolve()
+    loggers = _loggers(cfg, run_dir, resuming=resuming)
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator, devices=devices, num_nodes=int(cfg.trainer.num_nodes), strategy=strategy,
         precision=_precision(cfg, use_cuda), max_steps=max_steps, max_epochs=-1,

@@ -13,7 +13,10 @@ OUT=${OUT:-bench/results/gpu_session}
 PY=${PYTHON:-python3}
 RES=bench/results
 mkdir -p "$OUT" "$RES/b8"
-OUT=$(cd "$OUT" && pwd)  # absolute: the A/B stage runs from other folders
+OUT=$(CDPATH= cd -- "$OUT" && pwd)  # absolute: the A/B stage runs from other folders, and so must a relative $PY
+case $PY in */*) PY="$(CDPATH= cd -- "$(dirname -- "$PY")" && pwd)/$(basename -- "$PY")" ;; esac
+DEADLINE=${DEADLINE:-585}  # seconds after the start by which every stage has ended (a lent run gets 595)
+lim() { local left=$((DEADLINE - SECONDS)); if ((left < $1)); then echo $((left > 1 ? left : 1)); else echo "$1"; fi; }
 PACK=${PACK:-$OUT.tgz}
 pack() { tar czf "$PACK.tmp" -C "$(dirname "$OUT")" "$(basename "$OUT")" && mv "$PACK.tmp" "$PACK"; }  # atomic
 status() { echo "-- stage $1 exit code $2 (124: stopped at its time limit)"; }
@@ -23,12 +26,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 $PY -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
 
 echo "== 1. Triton kernel tests on the GPU (bf16 / long-sequence tests included; one pinned config), compiled blocks"
-SA_TRITON_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-80}" $PY -m pytest -q -m "not slow" -n "${TEST_WORKERS:-12}" \
+SA_TRITON_AUTOTUNE=0 timeout "$(lim "${TEST_TIMEOUT:-80}")" $PY -m pytest -q -m "not slow" -n "${TEST_WORKERS:-12}" \
     -o addopts="" tests/test_kernels_triton.py tests/test_compile.py > "$OUT/tests.log" 2>&1
 echo "pytest exit code $?"; grep -E "passed|failed|Error|FAILED" "$OUT/tests.log" | tail -15
 
 echo "== 1b. what this Triton version's compiler makes of the kernels (pipeline depth, registers; no launch)"
-timeout 25 $PY -m bench.kernel_schedule 2>&1 | tee "$OUT/kernel_schedule.log"; status 1b "${PIPESTATUS[0]}"
+timeout "$(lim 25)" $PY -m bench.kernel_schedule 2>&1 | tee "$OUT/kernel_schedule.log"; status 1b "${PIPESTATUS[0]}"
 
 # A kernel change measured side by side: BASELINE names a folder holding an earlier kernels/ (this tree's bench
 # code times it), e.g.  rm -rf .baseline && mkdir .baseline && git archive <commit> kernels | tar -x -C .baseline
@@ -45,43 +48,45 @@ if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kernels" ]; then
     for side in "$BASELINE:1" "$ROOT:0" "$ROOT:1"; do  # run from inside the folder: python -m puts the cwd first
         i=$((i + 1))
         (cd "${side%:*}" && echo "kernels: ${side%:*} SA_TRITON_SPLIT=${side##*:}" && PYTHONPATH="$ROOT:$ROOT/tests" \
-            SA_TRITON_AUTOTUNE=0 SA_TRITON_SPLIT=${side##*:} timeout "${AB_TIMEOUT:-45}" $PY -m bench.attention \
-            --n 8192 32768 --backends triton --variants full swa sa --out "$OUT/ab_$i" > "$OUT/ab_$i.log" 2>&1
+            SA_TRITON_AUTOTUNE=0 SA_TRITON_SPLIT=${side##*:} timeout "$(lim "${AB_TIMEOUT:-45}")" \
+            $PY -m bench.attention --n 8192 32768 --backends triton --variants full swa sa --out "$OUT/ab_$i" > "$OUT/ab_$i.log" 2>&1
          status "2.$i" $?; grep -E "FAILED|correctness gate" "$OUT/ab_$i.log"; grep -A8 "^| n " "$OUT/ab_$i.log")
     done 2>&1 | tee "$OUT/ab.log"
 fi
 echo "== 2b. host cost of the Triton wrapper per call (launches stubbed; this machine's CPU)"
-timeout 15 $PY -m bench.host_overhead 2>&1 | tee "$OUT/host.log"; status 2b "${PIPESTATUS[0]}"
+timeout "$(lim 15)" $PY -m bench.host_overhead 2>&1 | tee "$OUT/host.log"; status 2b "${PIPESTATUS[0]}"
 pack
 echo "== 3. attention benchmark (bf16, B=1 H=16 D=64 w=256, n=2048..32768; triton and SDPA; flex in stage 7)"
-timeout "${BENCH_TIMEOUT:-150}" $PY -m bench.attention --backends triton --out "$RES" 2>&1 | tee "$OUT/bench.log" \
-    | grep -v "^n="; status 3 "${PIPESTATUS[0]}"
+timeout "$(lim "${BENCH_TIMEOUT:-150}")" $PY -m bench.attention --backends triton --out "$RES" 2>&1 \
+    | tee "$OUT/bench.log" | grep -v "^n="; status 3 "${PIPESTATUS[0]}"
 cp "$RES/attention_gpu_bf16.csv" "$OUT/" 2>/dev/null
 
 pack
 echo "== 4. GPU time alone (calls replayed from a CUDA graph: no host launch cost, and a warm L2): triton vs SDPA"
-timeout "${GRAPHS_TIMEOUT:-45}" $PY -m bench.attention --graphs --n 2048 8192 32768 --backends triton \
+timeout "$(lim "${GRAPHS_TIMEOUT:-45}")" $PY -m bench.attention --graphs --n 2048 8192 32768 --backends triton \
     --out "$RES/graphs" 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^n="; status 4 "${PIPESTATUS[0]}"
 cp "$RES/graphs/attention_gpu_bf16_graphs.csv" "$OUT/" 2>/dev/null
 
 pack
 echo "== 5. attention benchmark, paper-like batch: B=8 H=16 D=64 w=256 (triton vs SDPA)"
-timeout "${BENCH_B8_TIMEOUT:-45}" $PY -m bench.attention --batch 8 --n 2048 8192 --backends triton \
+timeout "$(lim "${BENCH_B8_TIMEOUT:-45}")" $PY -m bench.attention --batch 8 --n 2048 8192 --backends triton \
     --out "$RES/b8" 2>&1 | tee "$OUT/bench_b8.log" | grep -v "^n="; status 5 "${PIPESTATUS[0]}"
 cp "$RES/b8/attention_gpu_bf16.csv" "$OUT/attention_gpu_bf16_b8.csv" 2>/dev/null
 
 pack
 echo "== 6. whole model: 360M decoder, B=8, n=2048, bf16 autocast, fwd+bwd per variant"
-timeout "${MODEL_TIMEOUT:-40}" $PY -m bench.model --model 360m --batch 8 --out "$OUT" 2>&1 | tee "$OUT/model.log" \
-    | grep -v "^{"; status 6 "${PIPESTATUS[0]}"
+timeout "$(lim "${MODEL_TIMEOUT:-40}")" $PY -m bench.model --model 360m --batch 8 --out "$OUT" 2>&1 \
+    | tee "$OUT/model.log" | grep -v "^{"; status 6 "${PIPESTATUS[0]}"
 pack
-# What is left of the run (~55 s when every stage above takes its whole limit) goes to the two stages below.
+# What is left before the deadline (~50 s when every stage above takes its whole limit) goes to the two below;
+# flex's correctness gate checks its gradients on the GPU too.
 echo "== 7. FlexAttention SA/SWA, the peer the Triton kernels must beat (its GPU code is unchanged since 2026-11-30)"
-timeout "${FLEX_TIMEOUT:-60}" $PY -m bench.attention --backends flex --n 2048 8192 32768 --out "$RES/flex" 2>&1 \
-    | tee "$OUT/bench_flex.log" | grep -v "^n="; status 7 "${PIPESTATUS[0]}"
+timeout "$(lim "${FLEX_TIMEOUT:-60}")" $PY -m bench.attention --backends flex --n 2048 8192 32768 \
+    --out "$RES/flex" 2>&1 | tee "$OUT/bench_flex.log" | grep -v "^n="; status 7 "${PIPESTATUS[0]}"
 cp "$RES/flex/attention_gpu_bf16.csv" "$OUT/attention_gpu_bf16_flex.csv" 2>/dev/null
 pack
 echo "== 8. whole model with compiled blocks (trainer.compile), gated SA+SWA; its eager time is stage 6's"
-timeout "${MODEL_COMPILE_TIMEOUT:-90}" $PY -m bench.model --model 360m --batch 8 --variants gated_sa_swa \
-    --compiled-only --out "$OUT/compiled" 2>&1 | tee "$OUT/model_compiled.log" | grep -v "^{"; status 8 "${PIPESTATUS[0]}"
+timeout "$(lim "${MODEL_COMPILE_TIMEOUT:-90}")" $PY -m bench.model --model 360m --batch 8 --variants gated_sa_swa \
+    --compiled-only --out "$OUT/compiled" 2>&1 | tee "$OUT/model_compiled.log" | grep -v "^{"
+status 8 "${PIPESTATUS[0]}"
 pack

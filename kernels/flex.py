@@ -199,7 +199,7 @@ def flex_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None,
             )
         q, k, v = q.detach(), k.detach(), v.detach()  # no graph is being built: forward-only flex is exact
     B, Hq, n, D = q.shape
-    if n == 0:
+    if n == 0 or B * Hq == 0:
         return q.new_empty(q.shape)
     left, right = min(int(left), n), min(int(right), n)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -211,13 +211,12 @@ def flex_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None,
             raise ValueError(f"perm must have shape [n] or [B, n] with B={B}, n={n}; got {tuple(perm.shape)}")
         perm = perm.to(device=q.device, dtype=torch.long)
         q, k, v = (gather_rows(t, perm) for t in (q, k, v))
-    block_mask = _block_mask(n, left, right, perm, device)
 
     enable_gqa = Hq != k.shape[1]
     fn = _flex_fn(compiled, q.device.type)
     try:
         if fn is flex_attention or q.device.type != "cpu":
-            out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+            out = fn(q, k, v, block_mask=_block_mask(n, left, right, perm, device), scale=scale, enable_gqa=enable_gqa)
         else:
             out = _cpu_compiled(fn, q, k, v, left, right, perm, scale, enable_gqa)
     except Exception as err:  # noqa: BLE001 - only a failed CPU compile is recovered, everything else re-raises
@@ -229,5 +228,6 @@ def flex_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None,
             "falling back to eager flex for the rest of this process"
         )
         _compile_failed = True
-        out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+        out = flex_attention(q, k, v, block_mask=_block_mask(n, left, right, perm, device), scale=scale,
+                             enable_gqa=enable_gqa)
     return out if perm is None else scatter_rows(out, perm)

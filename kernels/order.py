@@ -55,14 +55,16 @@ def check_perm(perm: torch.Tensor, n: int, batch: int, values: bool = True) -> N
         raise ValueError(f"perm must have shape [n] or [B, n] with B={batch}, n={n}, got {tuple(perm.shape)}")
     if perm.dtype.is_floating_point or perm.dtype.is_complex or perm.dtype == torch.bool:
         raise TypeError(f"perm must be an integer tensor (original position of each slot), got {perm.dtype}")
-    if n == 0 or not values:
+    if not values or perm.numel() == 0 or (perm.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     rows = perm.reshape(-1, n).long()
-    lo, hi = (int(x) for x in rows.aminmax())
+    lo, hi = rows.aminmax()
+    # slots no entry names (an entry out of range is clamped here and reported first); one wait for the device
+    missing = ~torch.zeros_like(rows, dtype=torch.bool).scatter_(1, rows.clamp(0, n - 1), True)
+    lo, hi, any_missing = torch.stack([lo, hi, missing.any().long()]).tolist()
     if lo < 0 or hi >= n:
         raise ValueError(f"perm entries must lie in [0, {n}), got entries from {lo} to {hi}")
-    missing = ~torch.zeros_like(rows, dtype=torch.bool).scatter_(1, rows, True)
-    if bool(missing.any()):
+    if any_missing:
         row = int(missing.any(1).nonzero()[0])
         where = f"perm[{row}]" if perm.dim() == 2 else "perm"
         raise ValueError(f"{where} is not a permutation of 0..{n - 1}: it repeats entries and misses "

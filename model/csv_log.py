@@ -10,11 +10,42 @@ metrics.csv moves that file aside (metrics.previous-<k>.csv) rather than deletin
 from __future__ import annotations
 
 import csv
+import io
+import os
 from pathlib import Path
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+
+def _move_aside(path: Path) -> None:
+    k = 1
+    while (aside := path.with_name(f"metrics.previous-{k}.csv")).exists():
+        k += 1
+    path.rename(aside)
+
+
+def _header_for_appending(path: Path) -> list[str]:
+    """The columns of an earlier attempt's file, made safe to append to: a torn last row (the process was killed
+    mid-write) is cut off, and a header out of Lightning's sorted order is rewritten sorted (the writer sorts its
+    columns before every write). A file without a header is moved aside."""
+    text = path.read_text()
+    complete = text[: text.rfind("\n") + 1]
+    rows = list(csv.reader(io.StringIO(complete)))
+    if not rows or not any(rows[0]):
+        _move_aside(path)
+        return []
+    header = rows[0]
+    if complete != text or header != sorted(header):
+        records = list(csv.DictReader(io.StringIO(complete)))
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=sorted(header))
+            writer.writeheader()
+            writer.writerows(records)
+        os.replace(tmp, path)
+    return sorted(header)
 
 
 class _AppendingWriter(ExperimentWriter):
@@ -23,8 +54,7 @@ class _AppendingWriter(ExperimentWriter):
         # old columns and a new metric rewrites the file with every column (old rows kept).
         path = Path(self.metrics_file_path)
         if path.is_file() and path.stat().st_size:
-            with open(path, newline="") as f:
-                self.metrics_keys = list(next(csv.reader(f), []))
+            self.metrics_keys = _header_for_appending(path)
 
 
 class RunCSVLogger(CSVLogger):
@@ -41,9 +71,6 @@ class RunCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             metrics = Path(self.log_dir) / ExperimentWriter.NAME_METRICS_FILE
             if not self._resuming and metrics.is_file():
-                k = 1
-                while (aside := metrics.with_name(f"metrics.previous-{k}.csv")).exists():
-                    k += 1
-                metrics.rename(aside)
+                _move_aside(metrics)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment

@@ -213,10 +213,12 @@ def test_a_perm_that_is_not_a_permutation_is_refused(backend, monkeypatch):
             banded_attention(q, k, v, 4, perm=perm, backend=backend)
     with pytest.raises(ValueError, match="not a permutation"):  # a shared [n] pi too
         banded_attention(q, k, v, 4, perm=torch.zeros(8, dtype=torch.long), backend=backend)
-    with torch.no_grad():  # int32 and a strided view are fine
+    with torch.no_grad():  # int32 and a strided view are fine, and so is an empty batch
         out = banded_attention(q, k, v, 4, perm=good.int().t().contiguous().t(), backend=backend)
         ref = banded_attention(q, k, v, 4, perm=good, backend="naive")
+        empty = banded_attention(q[:0], k[:0], v[:0], 4, perm=good[:0], backend=backend)
     assert rel_err(out, ref) <= 1e-5
+    assert empty.shape == (0, 2, 8, 16)
 
 
 def test_inputs_of_mixed_dtype_or_a_fractional_window_are_refused():

@@ -94,6 +94,18 @@ def test_metrics_csv_is_appended_on_resume_and_moved_aside_by_a_fresh_run(tmp_pa
     RunCSVLogger(tmp_path, resuming=False).log_metrics({"train/loss": 7.0}, step=0)
     assert (tmp_path / "metrics.previous-2.csv").is_file()
 
+    # an attempt killed mid-write leaves a torn last row; a header out of sorted order (Lightning sorts the columns it
+    # writes) would shift appended values into other columns
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "metrics.csv").write_text("train/loss,step,epoch\n4.5,1,0\n4.2,2")
+    resumed = RunCSVLogger(torn, resuming=True)
+    resumed.log_metrics({"train/loss": 4.0}, step=2)
+    resumed.save()
+    rows = list(csv.DictReader((torn / "metrics.csv").open()))
+    assert [(r["step"], r["train/loss"], r["epoch"]) for r in rows] == [("1", "4.5", "0"), ("2", "4.0", "")]
+    assert read_run_metrics(torn / "metrics.csv")["train/loss"] == {1: 4.5, 2: 4.0}
+
 
 def test_final_weights_are_validated_when_the_last_step_is_not_a_validation_step(tmp_path, corpus_file, data_cache):
     cfg = compose_train(TINY + ["attention=sa", "attention.window=8", "trainer.max_steps=3",
