@@ -90,6 +90,10 @@ class LitDecoder(L.LightningModule):
         # within one accumulated optimizer step, and a resumed run draws the same ones again.
         accumulate = self.trainer.accumulate_grad_batches
         self.model.sampler.step = self.global_step * accumulate + batch_idx % accumulate
+        # Lightning labels logged rows with its own count of optimizer steps, restored from a checkpoint by a guess
+        # about where in the loop it was saved: resumed from train.py's final checkpoint (written after fit), a run
+        # labelled every row one step late. That count is the global step.
+        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.global_step
 
     def _loss(self, batch):
         """(mean loss over the counted targets, their number, how many of them greedy decoding gets right or None).

@@ -69,6 +69,18 @@ def test_resumed_run_reproduces_uninterrupted_losses(tmp_path, corpus_file, data
             assert abs(history[step] - full["train/loss"][step]) <= 1e-6, (stop, step)
 
 
+def test_a_run_started_from_another_runs_checkpoint_keeps_its_own_history(tmp_path, corpus_file, data_cache):
+    common = TINY + ["attention=sa", "attention.window=8", "optim.schedule_steps=4", "trainer.val_every_n_steps=2"]
+    train(compose_train(common + ["trainer.max_steps=2"], tmp_path / "first", corpus_file, data_cache))
+    second = tmp_path / "second"
+    second.mkdir()
+    (second / "metrics.csv").write_text("epoch,step,train/loss\n0,0,9.0\n")  # an unrelated earlier run's
+    ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    train(compose_train(common + ["trainer.max_steps=4", f"ckpt_path={ckpt}"], second, corpus_file, data_cache))
+    assert (second / "metrics.previous-1.csv").read_text() == "epoch,step,train/loss\n0,0,9.0\n"
+    assert sorted(read_run_metrics(second / "metrics.csv")["train/loss"]) == [2, 3]
+
+
 def test_metrics_csv_is_appended_on_resume_and_moved_aside_by_a_fresh_run(tmp_path):
     from model.csv_log import RunCSVLogger
 
