@@ -179,12 +179,12 @@ def _wandb_mode(requested: str) -> str:
     return "online" if has_key else "offline"
 
 
-def _loggers(cfg, run_dir: Path, resuming: bool):
+def _loggers(cfg, run_dir: Path):
     from lightning.pytorch.loggers import WandbLogger
 
     from model.csv_log import RunCSVLogger
 
-    loggers = [RunCSVLogger(run_dir, resuming=resuming)]
+    loggers = [RunCSVLogger(run_dir)]
     wb = cfg.logger.get("wandb") if cfg.get("logger") else None
     if wb:
         mode = _wandb_mode(wb.mode)
@@ -194,6 +194,26 @@ def _loggers(cfg, run_dir: Path, resuming: bool):
                                        tags=list(wb.tags), save_dir=str(run_dir), offline=mode == "offline",
                                        config=OmegaConf.to_container(cfg, resolve=True)))
     return loggers
+
+
+EARLIER_RUN_FILES = ("checkpoints", "metrics.csv", "hparams.yaml", "config.yaml", "git_revision.txt", "eval")
+
+
+def _set_aside_earlier_run(run_dir: Path) -> Path | None:
+    """Move an earlier run's checkpoints, metrics, config and evaluations into run_dir/previous-<k>/ (rank zero
+    only; ranks started later find nothing to move). tools/runs.py does not count previous-* folders as runs."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    found = [run_dir / name for name in EARLIER_RUN_FILES if (run_dir / name).exists()]
+    if rank_zero_only.rank != 0 or not any(p.name in ("checkpoints", "metrics.csv") for p in found):
+        return None
+    k = 1
+    while (aside := run_dir / f"previous-{k}").exists():
+        k += 1
+    aside.mkdir()
+    for path in found:
+        path.rename(aside / path.name)
+    return aside
 
 
 def _resume_checkpoint(cfg, ckpt_dir: Path):
@@ -276,10 +296,16 @@ def train(cfg: DictConfig) -> dict:
     if cfg.trainer.progress_bar:
         callbacks.append(RichProgressBar(leave=True))
     ckpt = _resume_checkpoint(cfg, ckpt_dir)
-    # this run's own history continues only from one of its own checkpoints (a ckpt_path from another run starts a
-    # new metrics.csv, and an old one in this folder is moved aside)
-    resuming = ckpt is not None and Path(ckpt).resolve().parent == ckpt_dir.resolve()
-    loggers = _loggers(cfg, run_dir, resuming=resuming)
+    if cfg.resume == "auto" and ckpt is None:
+        console.print(f"[yellow]resume=auto[/]: no checkpoint in {ckpt_dir}; starting from step 0")
+    # A run continues its own history only from one of its own checkpoints. Otherwise an earlier run's checkpoints
+    # and metrics in this folder are moved aside: its last.ckpt would be taken for this run's (Lightning writes
+    # last-v1.ckpt beside it), and its metrics.csv rows would join this run's.
+    if ckpt is None or Path(ckpt).resolve().parent != ckpt_dir.resolve():
+        aside = _set_aside_earlier_run(run_dir)
+        if aside is not None:
+            console.print(f"[yellow]{run_dir}[/] held an earlier run's files: moved to {aside}")
+    loggers = _loggers(cfg, run_dir)
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator, devices=devices, num_nodes=int(cfg.trainer.num_nodes), strategy=strategy,
         precision=_precision(cfg, use_cuda), max_steps=max_steps, max_epochs=-1,

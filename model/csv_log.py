@@ -3,8 +3,7 @@
 Lightning's CSVLogger deletes metrics.csv when it finds one in its folder, so `resume=auto` in the same run directory
 threw away everything the first attempt logged. Here a resumed run appends to the file instead: it then holds the
 run's whole history, and readers (tools/runs.py) see the steps go back where a resume restarted from an earlier
-checkpoint and drop what the abandoned attempt logged after it. A fresh run into a folder that already has a
-metrics.csv moves that file aside (metrics.previous-<k>.csv) rather than deleting it.
+checkpoint and drop what the abandoned attempt logged after it.
 """
 
 from __future__ import annotations
@@ -19,22 +18,15 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 
-def _move_aside(path: Path) -> None:
-    k = 1
-    while (aside := path.with_name(f"metrics.previous-{k}.csv")).exists():
-        k += 1
-    path.rename(aside)
-
-
 def _header_for_appending(path: Path) -> list[str]:
     """The columns of an earlier attempt's file, made safe to append to: a torn last row (the process was killed
     mid-write) is cut off, and a header out of Lightning's sorted order is rewritten sorted (the writer sorts its
-    columns before every write). A file without a header is moved aside."""
+    columns before every write). A file without a header is renamed metrics.unreadable.csv."""
     text = path.read_text()
     complete = text[: text.rfind("\n") + 1]
     rows = list(csv.reader(io.StringIO(complete)))
     if not rows or not any(rows[0]):
-        _move_aside(path)
+        path.replace(path.with_name("metrics.unreadable.csv"))
         return []
     header = rows[0]
     if complete != text or header != sorted(header):
@@ -58,19 +50,16 @@ class _AppendingWriter(ExperimentWriter):
 
 
 class RunCSVLogger(CSVLogger):
-    """CSVLogger writing <save_dir>/metrics.csv; `resuming=True` appends to an existing file."""
+    """CSVLogger writing <save_dir>/metrics.csv, appending to the file an earlier attempt of the run left there
+    (train.py moves an unrelated earlier run's files aside before a fresh run starts)."""
 
-    def __init__(self, save_dir: str | Path, resuming: bool):
+    def __init__(self, save_dir: str | Path):
         super().__init__(save_dir=str(save_dir), name="", version="")
-        self._resuming = resuming
 
     @property
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
         if self._experiment is None:
             self._fs.makedirs(self.root_dir, exist_ok=True)
-            metrics = Path(self.log_dir) / ExperimentWriter.NAME_METRICS_FILE
-            if not self._resuming and metrics.is_file():
-                _move_aside(metrics)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment

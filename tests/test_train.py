@@ -77,17 +77,35 @@ def test_a_run_started_from_another_runs_checkpoint_keeps_its_own_history(tmp_pa
     (second / "metrics.csv").write_text("epoch,step,train/loss\n0,0,9.0\n")  # an unrelated earlier run's
     ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
     train(compose_train(common + ["trainer.max_steps=4", f"ckpt_path={ckpt}"], second, corpus_file, data_cache))
-    assert (second / "metrics.previous-1.csv").read_text() == "epoch,step,train/loss\n0,0,9.0\n"
+    assert (second / "previous-1" / "metrics.csv").read_text() == "epoch,step,train/loss\n0,0,9.0\n"
     assert sorted(read_run_metrics(second / "metrics.csv")["train/loss"]) == [2, 3]
 
 
-def test_metrics_csv_is_appended_on_resume_and_moved_aside_by_a_fresh_run(tmp_path):
+def test_a_fresh_run_in_a_used_folder_moves_the_earlier_run_aside(tmp_path, corpus_file, data_cache):
+    """The earlier run's last.ckpt stayed where evaluation after training (and evaluate.py ckpt=<dir>) looks for this
+    run's, while Lightning wrote the new one to last-v1.ckpt."""
+    common = TINY + ["attention=swa", "attention.window=8", "trainer.checkpoint_every_n_steps=2"]
+    run = tmp_path / "run"
+    train(compose_train(common + ["trainer.max_steps=4"], run, corpus_file, data_cache))
+    train(compose_train(common + ["trainer.max_steps=2"], run, corpus_file, data_cache))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt", "step0000002.ckpt"]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    earlier = run / "previous-1"
+    assert torch.load(earlier / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+    assert sorted(read_run_metrics(earlier / "metrics.csv")["train/loss"]) == [0, 1, 2, 3]
+    assert sorted(read_run_metrics(run / "metrics.csv")["train/loss"]) == [0, 1]
+    assert (earlier / "config.yaml").is_file()
+    from tools.runs import find_runs
+
+    assert find_runs([tmp_path]) == [run]  # the moved-aside run is not counted again
+
+
+def test_metrics_csv_is_appended_on_resume(tmp_path):
     from model.csv_log import RunCSVLogger
 
     path = tmp_path / "metrics.csv"
-    first = "epoch,step,train/loss\n0,0,5.0\n0,1,4.5\n"
-    path.write_text(first)
-    resumed = RunCSVLogger(tmp_path, resuming=True)
+    path.write_text("epoch,step,train/loss\n0,0,5.0\n0,1,4.5\n")
+    resumed = RunCSVLogger(tmp_path)
     resumed.log_metrics({"train/loss": 4.25}, step=2)
     resumed.save()
     resumed.log_metrics({"val/loss": 4.0}, step=2)  # a column the first attempt never logged
@@ -97,21 +115,12 @@ def test_metrics_csv_is_appended_on_resume_and_moved_aside_by_a_fresh_run(tmp_pa
         ("0", "5.0", ""), ("1", "4.5", ""), ("2", "4.25", ""), ("2", "", "4.0")]
     assert rows[0]["epoch"] == "0"
 
-    before = path.read_text()
-    fresh = RunCSVLogger(tmp_path, resuming=False)
-    fresh.log_metrics({"train/loss": 6.0}, step=0)
-    fresh.save()
-    assert (tmp_path / "metrics.previous-1.csv").read_text() == before  # moved aside, not deleted
-    assert [r["train/loss"] for r in csv.DictReader(path.open())] == ["6.0"]
-    RunCSVLogger(tmp_path, resuming=False).log_metrics({"train/loss": 7.0}, step=0)
-    assert (tmp_path / "metrics.previous-2.csv").is_file()
-
     # an attempt killed mid-write leaves a torn last row; a header out of sorted order (Lightning sorts the columns it
     # writes) would shift appended values into other columns
     torn = tmp_path / "torn"
     torn.mkdir()
     (torn / "metrics.csv").write_text("train/loss,step,epoch\n4.5,1,0\n4.2,2")
-    resumed = RunCSVLogger(torn, resuming=True)
+    resumed = RunCSVLogger(torn)
     resumed.log_metrics({"train/loss": 4.0}, step=2)
     resumed.save()
     rows = list(csv.DictReader((torn / "metrics.csv").open()))

@@ -210,7 +210,9 @@ def find_runs(paths) -> list[Path]:
         if is_run_dir(p):
             found.append(p)
             continue
-        found += sorted({c.parent for c in p.rglob("metrics.csv") if is_run_dir(c.parent) and ".hydra" not in c.parts})
+        # previous-<k>/: an earlier run that train.py moved aside when a new one started in its folder
+        found += sorted({c.parent for c in p.rglob("metrics.csv") if is_run_dir(c.parent) and ".hydra" not in c.parts
+                         and not any(part.startswith("previous-") for part in c.relative_to(p).parts)})
     seen, unique = set(), []
     for p in found:
         if p.resolve() not in seen:
