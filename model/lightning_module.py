@@ -43,6 +43,32 @@ def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float):
     return fn
 
 
+# model keys that change the parameters' shapes: a checkpoint of another shape cannot be resumed
+SHAPE_KEYS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings")
+
+
+def _check_resumed_config(saved: dict, now: dict) -> None:
+    """A resumed (or continued) run whose config differs from the checkpoint's: a shape change is refused before the
+    weights are loaded; any other change is warned about, the schedule's length with how to keep the old one."""
+    from model.config import ConfigError
+
+    changes = []
+    for group in ("model", "attention", "optim"):
+        old, new = saved.get(group) or {}, now.get(group) or {}
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key) and not (group == "attention" and key == "backend"):
+                if group == "model" and key in SHAPE_KEYS:
+                    raise ConfigError(f"model.{key}", new.get(key), f"the checkpoint was trained with "
+                                      f"{old.get(key)!r}; a model of another shape cannot load its weights")
+                changes.append(f"{group}.{key}: {old.get(key)!r} -> {new.get(key)!r}")
+    if saved.get("max_steps") not in (None, now.get("max_steps")):
+        changes.append(f"learning-rate schedule length: {saved['max_steps']} -> {now.get('max_steps')} steps (the "
+                       f"rate follows the new schedule from here on; optim.schedule_steps={saved['max_steps']} keeps "
+                       "the old)")
+    if changes:
+        rank_zero_warn("resuming with a config that differs from the checkpoint's: " + "; ".join(changes))
+
+
 class LitDecoder(L.LightningModule):
     def __init__(self, model: dict, attention: dict, optim: dict, seed: int = 0, max_steps: int = 1000):
         super().__init__()
@@ -69,6 +95,7 @@ class LitDecoder(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint):
         self.tokenizer_json = checkpoint.get("tokenizer", self.tokenizer_json)
+        _check_resumed_config(checkpoint.get("hyper_parameters") or {}, dict(self.hparams))
         saved = checkpoint.get("loss_only_after")  # absent in older checkpoints: they trained on every token
         if saved != self.loss_only_after:
             from model.config import ConfigError

@@ -100,6 +100,23 @@ def test_a_fresh_run_in_a_used_folder_moves_the_earlier_run_aside(tmp_path, corp
     assert find_runs([tmp_path]) == [run]  # the moved-aside run is not counted again
 
 
+def test_resuming_with_another_config_is_warned_about_or_refused(tmp_path, corpus_file, data_cache):
+    """A longer max_steps silently restarted the learning-rate schedule; another model shape failed in
+    load_state_dict with a raw error after the data preparation."""
+    from model.config import ConfigError
+
+    common = TINY + ["attention=sa", "trainer.val_every_n_steps=2"]
+    run = tmp_path / "run"
+    train(compose_train(common + ["attention.window=8", "trainer.max_steps=2"], run, corpus_file, data_cache))
+    with pytest.warns(UserWarning, match=r"attention.window: 8 -> 4; learning-rate schedule length: 2 -> 3 steps .*"
+                                         r"optim.schedule_steps=2 keeps the old"):
+        train(compose_train(common + ["attention.window=4", "trainer.max_steps=3", "resume=auto"], run, corpus_file,
+                            data_cache))
+    with pytest.raises(ConfigError, match="model.n_layers"):
+        train(compose_train(common + ["attention.window=4", "trainer.max_steps=4", "resume=auto", "model.n_layers=3",
+                                      "optim.schedule_steps=3"], run, corpus_file, data_cache))
+
+
 def test_metrics_csv_is_appended_on_resume(tmp_path):
     from model.csv_log import RunCSVLogger
 
