@@ -3,7 +3,7 @@
 Storage slots are cut into query blocks of `block` rows; block b sees the key slots
 [b*block - left, b*block + block - 1 + right] (its span). Spans are passed to the fused SDPA kernel as overlapping
 *strided views* of the padded K/V (no copies), with a mask for the band and the original-order causality, so the
-scores never leave the fused kernel (docs/performance.md: materialised scores are ~5x slower on CPU).
+scores never leave the fused kernel (materialised scores measured ~5x slower on CPU).
 
 The backward is written by hand (autograd.Function) for two reasons: the overlapping span gradients are folded back
 with a few strided adds instead of autograd's generic as_strided/unfold backward, and rows move through pi by
