@@ -39,6 +39,16 @@ def eval_out_dir(ckpt, out_dir, suite, stamp) -> str:
 OmegaConf.register_new_resolver("sa_eval_out_dir", eval_out_dir, replace=True)
 
 
+def _check_eval_config(eval_cfg: dict) -> None:
+    from model.config import ConfigError
+
+    if eval_cfg.get("data_dir") and not Path(eval_cfg["data_dir"]).is_dir():
+        raise ConfigError("eval.data_dir", eval_cfg["data_dir"], "no such folder (it holds the task files: "
+                          "see evaluation/README.md)")
+    if eval_cfg.get("num_seeds") is not None and int(eval_cfg["num_seeds"]) < 1:
+        raise ConfigError("eval.num_seeds", eval_cfg["num_seeds"], "must be >= 1 (permutation seeds to average)")
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg: DictConfig):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -63,10 +73,15 @@ def main(cfg: DictConfig):
         print("error: give ckpt=<run dir or .ckpt file> (or model.hf=<HuggingFace model>)", file=sys.stderr)
         sys.exit(2)
     try:
+        _check_eval_config(eval_cfg)
         summary = evaluate_checkpoint(cfg.ckpt, eval_cfg, attention, out_dir)
     except (FileNotFoundError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    if not summary["results"]:
+        print(f"error: nothing was evaluated: every task of the suite was skipped (see above); results.json in "
+              f"{out_dir} lists them", file=sys.stderr)
+        sys.exit(1)
     print(summary["table"])
     print(f"results: {summary['json']}\n         {summary['markdown']}\n"
           f"time   : {summary['seconds_total']:.0f} s ({len(summary['seeds'])} seed(s))")

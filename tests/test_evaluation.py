@@ -661,6 +661,17 @@ def test_evaluate_py_reports_a_missing_checkpoint(tmp_path):
     assert proc.returncode == 2 and "error: no checkpoint" in proc.stderr
 
 
+def test_evaluate_py_refuses_a_missing_data_dir_and_fails_when_nothing_ran(tiny_ckpt, tmp_path):
+    proc = _run([str(ROOT / "evaluate.py"), f"ckpt={tiny_ckpt}", f"eval.data_dir={tmp_path / 'nowhere'}",
+                 f"out_dir={tmp_path / 'o'}"], tmp_path)
+    assert proc.returncode == 2 and "eval.data_dir" in proc.stderr and "no such folder" in proc.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()  # a folder without any task's files: every task is skipped
+    proc = _run([str(ROOT / "evaluate.py"), f"ckpt={tiny_ckpt}", f"eval.data_dir={empty}", f"out_dir={tmp_path / 'o'}"],
+                tmp_path)
+    assert proc.returncode == 1 and "nothing was evaluated" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_lm_eval_cli_runs_sa_lm_on_a_local_task(tiny_ckpt, evaldata, tmp_path):
     folder, _, _ = evaldata
     proc = _run(["-m", "evaluation.lm_eval_cli", "--model", "sa-lm", "--model_args", f"checkpoint={tiny_ckpt}",
