@@ -93,6 +93,12 @@ def _check_trainer_and_optim(cfg: DictConfig):
                           "GPUs, or auto")
     if devices == -1 and t.accelerator == "cpu":
         raise ConfigError("trainer.devices", devices, "-1 (every GPU) needs a GPU accelerator; give a count on CPU")
+    if t.accelerator in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.accelerator", t.accelerator, "this machine has no CUDA GPU; on CPU use "
+                              "trainer=ddp_cpu (several processes) or trainer.accelerator=cpu")
     if not isinstance(t.get("compile", False), bool):
         raise ConfigError("trainer.compile", t.compile, "true or false (torch.compile every decoder block)")
     if t.get("compile") and cfg.attention.backend == "flex":

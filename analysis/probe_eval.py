@@ -276,7 +276,10 @@ def _cell(acc: float, std: float | None) -> str:
 def main(argv=None) -> int:
     given, attention = parse_args(list(sys.argv[1:] if argv is None else argv))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    summary = evaluate(given, attention, log)
+    try:
+        summary = evaluate(given, attention, log)
+    except ValueError as err:  # a probe that does not fit the context, a bad argument
+        raise SystemExit(f"error: {err}") from None
     if given.get("out"):
         out = Path(given["out"])
     else:

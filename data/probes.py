@@ -292,7 +292,8 @@ def make_probe(spec: ProbeSpec, index: int, units=None) -> Probe:
             if sum(u for _, u in regions[not left]) + moved[1] <= other_room:
                 regions[not left].append(moved)
             else:
-                raise ValueError(f"kv probe: {spec.num_pairs} pairs do not fit in length {n} {units.name}")
+                raise ValueError(f"kv probe: {spec.num_pairs} pairs do not fit in length {n} {units.name}; "
+                                 "lower num_pairs= or raise the context length")
     filler = _Filler(_filler_stream(spec.filler, rng, units_to_chars(n, units)), units)
 
     def region(room: int, items: list[tuple[str, int]]) -> str:

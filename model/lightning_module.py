@@ -148,8 +148,8 @@ class LitDecoder(L.LightningModule):
         if not finite:
             raise NonFiniteLossError(
                 f"training loss became non-finite at step {self.global_step} (this rank's: {loss.item()}); stopping. "
-                "The last good checkpoint is kept in the run's checkpoints/ folder (try a lower optim.lr or a longer "
-                "warmup)."
+                "The checkpoints written before it are kept in the run's checkpoints/ folder (try a lower optim.lr "
+                "or a longer warmup)."
             )
         trainer = self.trainer
         tokens_per_step = batch[:, :-1].numel() * trainer.world_size * trainer.accumulate_grad_batches

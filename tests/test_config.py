@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT, TINY, compose_train
 from model.config import AttentionConfig, ConfigError, ModelConfig, from_mapping
@@ -71,6 +72,7 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("optim.betas=[0.9]", "optim.betas"),
         ("optim.warmup_steps=-1", "optim.warmup_steps"),
         ("optim.min_lr_ratio=2", "optim.min_lr_ratio"),
+        *([("trainer=ddp", "trainer.accelerator")] if not torch.cuda.is_available() else []),  # a GPU preset on CPU
     ],
 )
 def test_bad_config_is_refused_with_its_key(override, key, tmp_path, corpus_file):

@@ -204,7 +204,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
-    result = compare(args.paths, args.out, plots=not args.no_plots)
+    try:
+        result = compare(args.paths, args.out, plots=not args.no_plots)
+    except FileNotFoundError as err:
+        raise SystemExit(f"error: {err}") from None
     print(result["markdown"])
     print("wrote " + ", ".join(map(str, result["files"])), file=sys.stderr)
     return 0
