@@ -114,8 +114,12 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
     first = int(attention.get("eval_seed", 0))
     seeds = list(range(first, first + num_seeds))
     window, backend = attention.get("window"), attention.get("backend", "auto")
-    model, tokenizer = load_hf_model(name, kind, window, seed=first, backend=backend,
-                                     dtype=eval_cfg.get("dtype", "auto"), device=eval_cfg.get("device", "auto"))
+    try:
+        model, tokenizer = load_hf_model(name, kind, window, seed=first, backend=backend,
+                                         dtype=eval_cfg.get("dtype", "auto"), device=eval_cfg.get("device", "auto"))
+    except OSError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     out_dir.mkdir(parents=True, exist_ok=True)
     per_seed = []
     for seed in seeds:  # evaluate_hf re-patches the loaded model with this seed

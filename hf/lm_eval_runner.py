@@ -227,9 +227,12 @@ def main(argv=None):
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     limit = None if a.limit is None else (int(a.limit) if a.limit >= 1 else a.limit)
     batch = a.batch_size if a.batch_size == "auto" else int(a.batch_size)
-    sweep(a.model, a.kinds.split(","), [int(w) for w in a.windows.split(",")], a.tasks.split(","), a.out,
-          batch_size=batch, limit=limit, device=a.device, seed=a.seed, dtype=a.dtype, backend=a.backend,
-          data_dir=a.data_dir, max_length=a.max_length, bootstrap_iters=a.bootstrap_iters)
+    try:
+        sweep(a.model, a.kinds.split(","), [int(w) for w in a.windows.split(",")], a.tasks.split(","), a.out,
+              batch_size=batch, limit=limit, device=a.device, seed=a.seed, dtype=a.dtype, backend=a.backend,
+              data_dir=a.data_dir, max_length=a.max_length, bootstrap_iters=a.bootstrap_iters)
+    except OSError as err:  # load_hf_model's one-line message: the model is neither local nor reachable
+        raise SystemExit(f"error: {err}") from None
 
 
 if __name__ == "__main__":

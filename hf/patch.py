@@ -107,8 +107,13 @@ def load_hf_model(name_or_path: str, kind: str = "full", window: int | None = No
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     register()
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_dtype(dtype), attn_implementation="sdpa",
-                                                 **from_pretrained_kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_dtype(dtype), attn_implementation="sdpa",
+                                                     **from_pretrained_kwargs)
+    except (OSError, ValueError) as err:  # not cached and the hub unreachable, a folder that is not a model, ...
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise OSError(f"could not load the HuggingFace model {name_or_path!r}: {first} -- give a local model folder, "
+                      "or a hub name on a machine with hub access (or the model in its HF cache)") from None
     model.to(resolve_device(device)).eval()
     patch_model(model, kind, window, seed=seed, backend=backend, moba_top_k=moba_top_k)
     tokenizer = AutoTokenizer.from_pretrained(

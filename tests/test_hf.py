@@ -234,6 +234,12 @@ def test_errors_are_clear(tiny, ids):
         fresh(ids)
 
 
+def test_a_model_that_cannot_be_loaded_gets_one_line(tmp_path):
+    with pytest.raises(OSError, match=r"^could not load the HuggingFace model .*give a local model folder") as err:
+        load_hf_model(str(tmp_path / "not-a-model"), "swa", 8)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("kind", ["swa", "sa", "moba"])
 def test_generation_prefill_patched_decode_full(tiny, ids, kind):
     prompt = ids[:, :12]
