@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -202,24 +203,45 @@ def _loggers(cfg, run_dir: Path):
     return loggers
 
 
-EARLIER_RUN_FILES = ("checkpoints", "metrics.csv", "hparams.yaml", "config.yaml", "git_revision.txt", "eval")
+EARLIER_RUN_FILES = ("metrics.csv", "hparams.yaml", "config.yaml", "git_revision.txt", "eval")
 
 
-def _set_aside_earlier_run(run_dir: Path) -> Path | None:
-    """Move an earlier run's checkpoints, metrics, config and evaluations into run_dir/previous-<k>/ (rank zero
-    only; ranks started later find nothing to move). tools/runs.py does not count previous-* folders as runs."""
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
+def _is_global_zero_from_env() -> bool:
+    """Rank zero before the Trainer has set up its ranks: torchrun's RANK, srun's SLURM_PROCID, else every node and
+    local rank variable at 0 (Lightning's launcher, a hand-set NODE_RANK)."""
+    for key in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key]) == 0
+    return all(int(os.environ.get(key) or 0) == 0 for key in ("NODE_RANK", "GROUP_RANK", "LOCAL_RANK"))
 
+
+def _set_aside_earlier_run(run_dir: Path, ckpt_dir: Path) -> Path | None:
+    """Move an earlier run's checkpoint files, metrics, config and evaluations into run_dir/previous-<k>/ (rank zero
+    only; ranks started later find nothing to move). The checkpoint files move, not their folder, which may be a link
+    to other storage. tools/runs.py does not count previous-* folders as runs."""
+    ckpts = sorted(ckpt_dir.glob("*.ckpt")) if ckpt_dir.is_dir() else []
     found = [run_dir / name for name in EARLIER_RUN_FILES if (run_dir / name).exists()]
-    if rank_zero_only.rank != 0 or not any(p.name in ("checkpoints", "metrics.csv") for p in found):
+    if not _is_global_zero_from_env() or not (ckpts or (run_dir / "metrics.csv").exists()):
         return None
     k = 1
     while (aside := run_dir / f"previous-{k}").exists():
         k += 1
-    aside.mkdir()
+    (aside / "checkpoints").mkdir(parents=True)
     for path in found:
         path.rename(aside / path.name)
+    for path in ckpts:
+        shutil.move(str(path), aside / "checkpoints" / path.name)
     return aside
+
+
+def _own_checkpoint(ckpt: str | None, ckpt_dir: Path) -> bool:
+    """Whether the checkpoint to load is one of this run's (anywhere under its checkpoints/, through links or not)."""
+    if ckpt is None:
+        return False
+    for path, folder in ((Path(ckpt).absolute(), ckpt_dir.absolute()), (Path(ckpt).resolve(), ckpt_dir.resolve())):
+        if path.is_relative_to(folder):
+            return True
+    return False
 
 
 def _resume_checkpoint(cfg, ckpt_dir: Path):
@@ -307,8 +329,8 @@ def train(cfg: DictConfig) -> dict:
     # A run continues its own history only from one of its own checkpoints. Otherwise an earlier run's checkpoints
     # and metrics in this folder are moved aside: its last.ckpt would be taken for this run's (Lightning writes
     # last-v1.ckpt beside it), and its metrics.csv rows would join this run's.
-    if ckpt is None or Path(ckpt).resolve().parent != ckpt_dir.resolve():
-        aside = _set_aside_earlier_run(run_dir)
+    if not _own_checkpoint(ckpt, ckpt_dir):
+        aside = _set_aside_earlier_run(run_dir, ckpt_dir)
         if aside is not None:
             console.print(f"[yellow]{run_dir}[/] held an earlier run's files: moved to {aside}")
     loggers = _loggers(cfg, run_dir)

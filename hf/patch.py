@@ -111,6 +111,8 @@ def load_hf_model(name_or_path: str, kind: str = "full", window: int | None = No
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_dtype(dtype), attn_implementation="sdpa",
                                                      **from_pretrained_kwargs)
     except (OSError, ValueError) as err:  # not cached and the hub unreachable, a folder that is not a model, ...
+        if isinstance(err, ValueError) and type(err).__name__ != "HFValidationError":
+            raise  # e.g. an architecture transformers cannot run with sdpa: its own message says it
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         raise OSError(f"could not load the HuggingFace model {name_or_path!r}: {first} -- give a local model folder, "
                       "or a hub name on a machine with hub access (or the model in its HF cache)") from None

@@ -50,16 +50,25 @@ SHAPE_KEYS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn
 def _check_resumed_config(saved: dict, now: dict) -> None:
     """A resumed (or continued) run whose config differs from the checkpoint's: a shape change is refused before the
     weights are loaded; any other change is warned about, the schedule's length with how to keep the old one."""
+    from dataclasses import asdict
+
     from model.config import ConfigError
 
     changes = []
     for group in ("model", "attention", "optim"):
-        old, new = saved.get(group) or {}, now.get(group) or {}
+        if not saved.get(group):  # an older checkpoint without it: nothing to compare
+            continue
+        old, new = dict(saved[group]), dict(now.get(group) or {})
+        if group == "model":  # as built: n_kv_heads None is n_heads, ffn_hidden None its computed width
+            old, new = asdict(ModelConfig(**old)), asdict(ModelConfig(**new))
         for key in sorted(set(old) | set(new)):
             if old.get(key) != new.get(key) and not (group == "attention" and key == "backend"):
                 if group == "model" and key in SHAPE_KEYS:
                     raise ConfigError(f"model.{key}", new.get(key), f"the checkpoint was trained with "
                                       f"{old.get(key)!r}; a model of another shape cannot load its weights")
+                if group == "attention" and key == "kind" and "gated_sa_swa" in (old.get(key), new.get(key)):
+                    raise ConfigError("attention.kind", new.get(key), f"the checkpoint was trained with "
+                                      f"{old.get(key)!r}; the gates of gated_sa_swa are parameters of their own")
                 changes.append(f"{group}.{key}: {old.get(key)!r} -> {new.get(key)!r}")
     if saved.get("max_steps") not in (None, now.get("max_steps")):
         changes.append(f"learning-rate schedule length: {saved['max_steps']} -> {now.get('max_steps')} steps (the "

@@ -117,6 +117,43 @@ def test_resuming_with_another_config_is_warned_about_or_refused(tmp_path, corpu
                                       "optim.schedule_steps=3"], run, corpus_file, data_cache))
 
 
+def test_the_resume_check_compares_models_as_built():
+    from model.config import ConfigError
+    from model.lightning_module import _check_resumed_config
+
+    def hp(**model):
+        return {"model": {"n_heads": 4, "d_model": 64, **model}, "attention": {"kind": "sa"}, "max_steps": 4}
+
+    _check_resumed_config(hp(n_kv_heads=None, ffn_hidden=None), hp(n_kv_heads=4, ffn_hidden=256))  # the same shapes
+    _check_resumed_config({"max_steps": 4}, hp())  # an older checkpoint without the groups
+    with pytest.raises(ConfigError, match="model.n_kv_heads"):
+        _check_resumed_config(hp(n_kv_heads=None), hp(n_kv_heads=2))
+    with pytest.raises(ConfigError, match="attention.kind.*gates"):
+        _check_resumed_config(hp(), {**hp(), "attention": {"kind": "gated_sa_swa"}})
+
+
+def test_what_is_moved_aside_and_what_counts_as_this_runs_checkpoint(tmp_path):
+    """Checkpoint files move, not their folder (a link to other storage stays where ModelCheckpoint writes); a
+    checkpoint anywhere under checkpoints/ is the run's own; an empty checkpoints/ is no earlier run."""
+    from train import _own_checkpoint, _set_aside_earlier_run
+
+    run, storage = tmp_path / "run", tmp_path / "scratch"
+    storage.mkdir()
+    run.mkdir()
+    (run / "checkpoints").symlink_to(storage)
+    assert _set_aside_earlier_run(run, run / "checkpoints") is None  # nothing there yet
+    (storage / "last.ckpt").write_text("old")
+    (run / "metrics.csv").write_text("step\n0\n")
+    aside = _set_aside_earlier_run(run, run / "checkpoints")
+    assert (aside / "checkpoints" / "last.ckpt").read_text() == "old" and (aside / "metrics.csv").is_file()
+    assert (run / "checkpoints").is_symlink() and not list(storage.iterdir())
+    (storage / "keep").mkdir()
+    assert _own_checkpoint(str(run / "checkpoints" / "keep" / "x.ckpt"), run / "checkpoints")
+    assert _own_checkpoint(str(storage / "last.ckpt"), run / "checkpoints")  # through the link
+    assert not _own_checkpoint(str(aside / "checkpoints" / "last.ckpt"), run / "checkpoints")
+    assert not _own_checkpoint(None, run / "checkpoints")
+
+
 def test_metrics_csv_is_appended_on_resume(tmp_path):
     from model.csv_log import RunCSVLogger
 
