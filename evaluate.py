@@ -68,6 +68,11 @@ def main(cfg: DictConfig):
     attention = {k: v for k, v in OmegaConf.to_container(cfg.attention, resolve=True).items()
                  if v is not None and k in ("kind", "window", "backend", "eval_seed")}
     if cfg.model.hf:
+        try:
+            _check_eval_config(eval_cfg)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
         return evaluate_hf_model(cfg.model.hf, eval_cfg, attention, out_dir)
     if not cfg.ckpt:
         print("error: give ckpt=<run dir or .ckpt file> (or model.hf=<HuggingFace model>)", file=sys.stderr)
