@@ -29,7 +29,7 @@ import warnings
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from kernels.order import check_qkv, gather_rows, scatter_rows
+from kernels.order import check_perm, check_qkv, gather_rows, scatter_rows
 
 BLOCK_SIZE = 128  # FlexAttention's default sparse block size
 
@@ -118,16 +118,23 @@ def _sa_block_template(n: int, left: int, right: int, device: str) -> BlockMask:
     return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=BLOCK_SIZE, seq_lengths=(n, n))
 
 
+def _pad_positions(pos: torch.Tensor, n_pad: int) -> torch.Tensor:
+    """pos ([n] or [B, n]) extended to n_pad slots with positions n, n+1, ...: after every real token in original
+    order, so no real query sees a pad slot."""
+    n = pos.shape[-1]
+    if n_pad <= n:
+        return pos
+    tail = torch.arange(n, n_pad, device=pos.device, dtype=pos.dtype)
+    return torch.cat([pos, tail.expand(*pos.shape[:-1], n_pad - n)], dim=-1)
+
+
 def _sa_block_mask(n: int, left: int, right: int, pos: torch.Tensor) -> BlockMask:
     """BlockMask for a permuted band: cached block lists plus a mask_mod reading pos ([n] or [B, n])."""
     device = str(pos.device)
     t = _sa_block_template(n, left, right, device)
     # pad pos so that any index a kernel evaluates in a padded tail block stays in bounds; pads come last in
     # original order, so no real query can see them
-    n_pad = t.kv_indices.shape[-1] * BLOCK_SIZE
-    if n_pad > n:
-        tail = torch.arange(n, n_pad, device=pos.device, dtype=pos.dtype)
-        pos = torch.cat([pos, tail.expand(*pos.shape[:-1], n_pad - n)], dim=-1)
+    pos = _pad_positions(pos, t.kv_indices.shape[-1] * BLOCK_SIZE)
     left_t, right_t = _band_scalar(left, device), _band_scalar(right, device)
     if pos.dim() == 2:
 
@@ -172,9 +179,7 @@ def _cpu_compiled(fn, q, k, v, left: int, right: int, pos, scale: float, enable_
     n_run = _bucket(n)
     if n_run > n:
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, n_run - n)) for t in (q, k, v))
-        if pos is not None:
-            tail = torch.arange(n, n_run, device=pos.device, dtype=pos.dtype)
-            pos = torch.cat([pos, tail.expand(*pos.shape[:-1], n_run - n)], dim=-1)
+        pos = None if pos is None else _pad_positions(pos, n_run)
     block_mask = _block_mask(n_run, left, right, pos, str(q.device))
     with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, _CPU_RECOMPILE_LIMIT)):
         out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
@@ -207,8 +212,7 @@ def flex_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None,
     device = str(q.device)
 
     if perm is not None:
-        if perm.shape[-1] != n or perm.dim() not in (1, 2) or (perm.dim() == 2 and perm.shape[0] != B):
-            raise ValueError(f"perm must have shape [n] or [B, n] with B={B}, n={n}; got {tuple(perm.shape)}")
+        check_perm(perm, n, B, values=False)
         perm = perm.to(device=q.device, dtype=torch.long)
         q, k, v = (gather_rows(t, perm) for t in (q, k, v))
 

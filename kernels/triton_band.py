@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels import TRITON_DTYPES, TRITON_MAX_HEAD_DIM
-from kernels.order import check_qkv
+from kernels.order import check_perm, check_qkv
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
@@ -542,8 +542,7 @@ def _strides(x: torch.Tensor):
 def _prepare_perm(perm: torch.Tensor | None, B: int, n: int, device) -> tuple[torch.Tensor | None, int]:
     if perm is None:
         return None, 0
-    if perm.dim() not in (1, 2) or perm.shape[-1] != n or (perm.dim() == 2 and perm.shape[0] != B):
-        raise ValueError(f"perm must have shape [n] or [B, n] with B={B}, n={n}; got {tuple(perm.shape)}")
+    check_perm(perm, n, B, values=False)
     if perm.dtype not in (torch.int32, torch.int64):
         perm = perm.long()
     perm = perm.to(device)
@@ -692,8 +691,8 @@ def triton_banded_attention(q, k, v, left: int, right: int, perm=None, scale=Non
     Returns the output [B,Hq,n,D] in original order and input dtype; differentiable w.r.t. q, k and v.
     """
     check_qkv(q, k, v)
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in TRITON_DTYPES:
-        raise TypeError(f"q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in TRITON_DTYPES:  # one dtype for q, k, v: check_qkv
+        raise TypeError(f"the Triton kernel takes fp16, bf16 or fp32, got {q.dtype}")
     if left < 0 or right < 0:
         raise ValueError(f"band must be non-negative (every query sees itself), got left={left}, right={right}")
     if q.shape[-1] > TRITON_MAX_HEAD_DIM:

@@ -258,8 +258,10 @@ def test_rejects_bad_arguments():
         triton_banded_attention(q, q, q, -1, 0, None)
     with pytest.raises(ValueError):
         triton_banded_attention(q, q, q, 1, 0, torch.arange(7, device=DEVICE))
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="one dtype"):
         triton_banded_attention(q, q.double(), q, 1, 0, None)
+    with pytest.raises(TypeError, match="fp16, bf16 or fp32"):
+        triton_banded_attention(q.double(), q.double(), q.double(), 1, 0, None)
 
 
 @settings(max_examples=10, deadline=None)
