@@ -133,6 +133,11 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
                               data_dir=eval_cfg.get("data_dir"), max_length=eval_cfg.get("max_length"),
                               bootstrap_iters=eval_cfg.get("bootstrap_iters", 1000), model=model, tokenizer=tokenizer)
         per_seed.append(results)
+        if not results.get("results"):  # every task skipped: the other seeds would skip them too
+            atomic_write_text(out_dir / "results.json", json.dumps(results, indent=1, default=handle_non_serializable))
+            print(f"error: nothing was evaluated: every task of the suite was skipped (see above); results.json in "
+                  f"{out_dir} lists them", file=sys.stderr)
+            sys.exit(1)
         if num_seeds > 1:
             atomic_write_text(out_dir / "lm_eval" / f"seed{seed}.json",
                               json.dumps(results, indent=1, default=handle_non_serializable))

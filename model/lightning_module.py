@@ -131,6 +131,13 @@ class LitDecoder(L.LightningModule):
         # labelled every row one step late. That count is the global step.
         self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.global_step
 
+    def on_validation_start(self):
+        # Inside fit Lightning runs validation before it counts the step that just ran, so the weights after 3 updates
+        # were logged at step 2, while a validation at the start or after fit is labelled with the updates done. After
+        # a resume both labels met: the post-fit validation of step 5 and the in-fit one after step 6 were both "5",
+        # and one was lost from the curve. Every validation is labelled with the updates its weights have had.
+        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.global_step
+
     def _loss(self, batch):
         """(mean loss over the counted targets, their number, how many of them greedy decoding gets right or None).
 

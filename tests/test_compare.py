@@ -119,7 +119,7 @@ def test_compare_table_and_plots_from_real_runs(two_runs, tmp_path):
     assert (tmp_path / "out" / "val_loss_vs_tokens.png").stat().st_size > 10_000
     run = load_run(two_runs / "0_swa_w8_s0")
     steps, _ = run.series("val/loss")
-    assert steps == [0, 2, 5] and run.tokens_at(steps) == [0.0, 3 * 256, 6 * 256]
+    assert steps == [0, 3, 6] and run.tokens_at(steps) == [0.0, 3 * 256, 6 * 256]
     assert main([str(two_runs / "0_swa_w8_s0"), str(two_runs / "1_sa_w8_s0"), "--out", str(tmp_path / "cli"),
                  "--no-plots"]) == 0
     assert (tmp_path / "cli" / "compare.md").is_file()
@@ -183,13 +183,30 @@ def test_steps_tokens_and_curves_of_runs_that_stop_between_log_rows(tmp_path):
 
     # log every 10, validate every 10 and on the final weights: 25 steps of 32 tokens; the first attempt ran to
     # step 39 and was resumed from step 19 (its rows from 20 on are dropped)
+    rows = [(0, 0, "", "", 3.0), (0, 9, 2.5, 320, ""), (0, 10, "", "", 2.4), (0, 19, 2.2, 640, ""),
+            (0, 20, "", "", 9.9), (0, 29, 9.9, 960, ""), (0, 30, "", "", 9.9), (0, 39, 9.9, 1280, ""),
+            (0, 19, 2.2, 640, ""), (0, 20, "", "", 2.1), (0, 25, "", "", 2.0)]
+    run = load_run(_fake_run(tmp_path, "r", max_steps=25, rows=rows))
+    steps, values = run.series("val/loss")
+    assert steps == [0, 10, 20, 25] and values == [3.0, 2.4, 2.1, 2.0]
+    assert run.steps == 25 and run.tokens_at(steps) == [0, 320, 640, 800]
+    # the same run as written before 2026-12-02: Lightning labelled the periodic validations one step early
     rows = [(0, 0, "", "", 3.0), (0, 9, 2.5, 320, ""), (0, 9, "", "", 2.4), (0, 19, 2.2, 640, ""),
             (0, 29, 9.9, 960, ""), (0, 39, 9.9, 1280, ""), (0, 29, "", "", 9.9),
             (0, 19, 2.2, 640, ""), (0, 19, "", "", 2.1), (0, 25, "", "", 2.0)]
-    run = load_run(_fake_run(tmp_path, "r", max_steps=25, rows=rows))
-    steps, values = run.series("val/loss")
+    old = load_run(_fake_run(tmp_path, "old", max_steps=25, rows=rows))
+    steps, values = old.series("val/loss")
     assert steps == [0, 9, 19, 25] and values == [3.0, 2.4, 2.1, 2.0]
-    assert run.steps == 25 and run.tokens_at(steps) == [0, 320, 640, 800]
+    assert old.steps == 25 and old.tokens_at(steps) == [0, 320, 640, 800]
+    # a final validation at 29 (= 3 * 10 - 1) is the final weights' in a run labelled the current way
+    late = load_run(_fake_run(tmp_path, "late", max_steps=29, rows=rows[:2] + [(0, 10, "", "", 2.4),
+                                                                                 (0, 29, "", "", 2.0)]))
+    assert late.tokens_at([10, 29]) == [320, 29 * 32]
+    # one validation after step 0: told by the training row at its step
+    for name, train_row, label, behind in (("one_old", (0, 9, 2.5, 320, ""), 9, 10), ("one", (0, 8, 2.5, 288, ""), 9, 9)):
+        one = load_run(_fake_run(tmp_path, name, max_steps=10, rows=[(0, 0, "", "", 3.0), train_row,
+                                                                      (0, label, "", "", 2.4)]))
+        assert one.steps == behind and one.tokens_at([label]) == [behind * 32], name
     short = load_run(_fake_run(tmp_path, "short", max_steps=2, rows=[(0, 0, "", "", 3.0), (0, 2, "", "", 2.9)]))
     assert short.steps == 2 and short.tokens_at([0, 2]) == [0, 64]  # no train row: tokens from the config
 

@@ -362,3 +362,21 @@ def test_evaluate_py_runs_a_patched_hf_model_offline(saved_model, tmp_path):
     first, second = results["scores_per_seed"]
     assert first["lambada_openai/perplexity"] != second["lambada_openai/perplexity"]
     assert "±" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_evaluate_py_fails_when_every_task_of_an_hf_run_is_skipped(saved_model, tmp_path):
+    import subprocess
+    import sys
+
+    empty = tmp_path / "empty"
+    empty.mkdir()  # no task's files: every task is skipped
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run(
+        [sys.executable, str(root / "evaluate.py"), f"model.hf={saved_model[0]}", "attention=sa",
+         "attention.window=8", "eval=quick", f"eval.data_dir={empty}", "eval.device=cpu",
+         f"eval.task_dir={tmp_path / 'tasks'}", f"out_dir={tmp_path / 'out'}"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 1 and "nothing was evaluated" in res.stderr, res.stderr[-3000:]
+    skipped = json.loads((tmp_path / "out" / "results.json").read_text())["skipped"]
+    assert {"wikitext", "lambada_openai"} <= set(skipped)

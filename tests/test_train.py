@@ -51,8 +51,10 @@ def test_resumed_run_reproduces_uninterrupted_losses(tmp_path, corpus_file, data
     # Stopping at 2 of 8 (before half-way) and at 5 (after it, not a checkpoint multiple of the first): Lightning
     # counts the batches already run into the epoch's length, so a loader that reported only the remaining ones
     # ended the epoch early and replayed old batches. Two micro-batches per step: their permutations resume too.
+    # Validating every 3 steps: the first attempt's final validation (after step 2 or 5) and the resumed run's next
+    # one (after step 3 or 6) were both labelled 2 or 5, and one of them was lost from the curve.
     common = TINY + ["attention=gated_sa_swa", "attention.window=8", "optim.schedule_steps=8",
-                     "trainer.val_every_n_steps=4", "trainer.accumulate_grad_batches=2"]
+                     "trainer.val_every_n_steps=3", "trainer.accumulate_grad_batches=2"]
     full = read_metrics_after(compose_train(common + ["trainer.max_steps=8"], tmp_path / "a", corpus_file, data_cache))
     for stop in (2, 5):
         run = tmp_path / f"stop{stop}"
@@ -63,10 +65,15 @@ def test_resumed_run_reproduces_uninterrupted_losses(tmp_path, corpus_file, data
         train(resumed_cfg)
         # metrics.csv holds the whole run: the first attempt's rows, then the resumed ones (Lightning's own CSV
         # logger deleted the first attempt's)
-        history = read_run_metrics(run / "metrics.csv")["train/loss"]
+        logged = read_run_metrics(run / "metrics.csv")
+        history = logged["train/loss"]
         assert sorted(history) == list(range(8)), stop
         for step in history:
             assert abs(history[step] - full["train/loss"][step]) <= 1e-6, (stop, step)
+        assert sorted(full["val/loss"]) == [0, 3, 6, 8]
+        assert sorted(logged["val/loss"]) == sorted([0, 3, 6, 8, stop]), stop
+        for step in full["val/loss"]:
+            assert abs(logged["val/loss"][step] - full["val/loss"][step]) <= 1e-6, (stop, step)
 
 
 def test_a_run_started_from_another_runs_checkpoint_keeps_its_own_history(tmp_path, corpus_file, data_cache):
@@ -186,10 +193,10 @@ def test_final_weights_are_validated_when_the_last_step_is_not_a_validation_step
     cfg = compose_train(TINY + ["attention=sa", "attention.window=8", "trainer.max_steps=3",
                                 "trainer.val_every_n_steps=2"], tmp_path, corpus_file, data_cache)
     metrics = read_metrics_after(cfg)
-    # Before training; the scheduled one after step 2 (Lightning logs it at index 1 of the step that ran it); and
-    # the final weights, validated after fit (logged at global step 3). Without the last one the run's final val
-    # loss would describe the weights of step 2.
-    assert sorted(metrics["val/loss"]) == [0, 1, 3]
+    # Before training; the scheduled one after 2 updates; and the final weights, validated after fit. Each is
+    # labelled with the updates its weights have had. Without the last one the run's final val loss would describe
+    # the weights of step 2.
+    assert sorted(metrics["val/loss"]) == [0, 2, 3]
 
 
 def read_metrics_after(cfg):

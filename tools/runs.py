@@ -147,16 +147,35 @@ class Run:
         return values[-1] if values else None
 
     def steps_behind(self, step: int, key: str) -> int:
-        """Optimizer steps done when the row of `key` at `step` was logged. Lightning logs a training row, and a
-        periodic validation (every val_every_n_steps), at step s after s + 1 steps; the validation train.py runs
-        before fitting is at step 0 after none, and the one it runs on the final weights when fitting ends between
-        two periodic ones is at step N after N."""
-        every = int(self.config.get("trainer", {}).get("val_every_n_steps", 0) or 0)
+        """Optimizer steps done when the row of `key` at `step` was logged. A training row at step s is logged
+        during step s + 1; a validation row at step s follows s steps (before training, periodic, or on the final
+        weights). Runs written before 2026-12-02 kept Lightning's own labels for the periodic validations, one step
+        early (at s after s + 1 steps): see _periodic_val_labelled_early."""
         if not key.startswith("val/"):
             return step + 1
-        if step == 0 and every != 1:
-            return 0
-        return step + 1 if every and (step + 1) % every == 0 else step
+        every = self._val_every()
+        if self._periodic_val_labelled_early() and (step + 1) % every == 0:
+            return step + 1
+        return step
+
+    def _val_every(self) -> int:
+        return int(self.config.get("trainer", {}).get("val_every_n_steps", 0) or 0)
+
+    def _periodic_val_labelled_early(self) -> bool:
+        """Whether the periodic validations sit at s = k * every - 1 (Lightning's labels, one step early) rather than
+        at k * every. Told from the validations between the first and the last (the last may be the final weights',
+        at any step); with none in between, from a training row at the last one's step or later, which only an
+        early label has (a validation at s follows the training row at s - 1)."""
+        every = self._val_every()
+        labels = sorted(s for s in self.metrics.get("val/loss", {}) if s > 0)
+        if every <= 1 or not labels:
+            return False
+        between = labels[:-1]
+        if not between:
+            trained = self.metrics.get("train/loss", {})
+            return (labels[-1] + 1) % every == 0 and max(trained, default=-1) >= labels[-1]
+        early = sum((s + 1) % every == 0 for s in between)
+        return early > sum(s % every == 0 for s in between)
 
     @property
     def steps(self) -> int | None:
