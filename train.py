@@ -107,6 +107,7 @@ def _check_trainer_and_optim(cfg: DictConfig):
                           "auto, torch or triton with a compiled model")
     if int(t.num_nodes) < 1:
         raise ConfigError("trainer.num_nodes", t.num_nodes, "must be a positive integer")
+    _check_cpu_training(cfg)
     if not float(o.lr) > 0:
         raise ConfigError("optim.lr", o.lr, "must be positive")
     if float(o.weight_decay) < 0:
@@ -115,7 +116,10 @@ def _check_trainer_and_optim(cfg: DictConfig):
         raise ConfigError("optim.betas", list(o.betas), "two numbers in [0, 1), e.g. [0.9, 0.95]")
     if int(o.warmup_steps) < 0:
         raise ConfigError("optim.warmup_steps", o.warmup_steps, "must be >= 0")
-    schedule = int(o.get("schedule_steps") or t.max_steps)
+    steps = o.get("schedule_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ConfigError("optim.schedule_steps", steps, "a positive number of steps (or null: trainer.max_steps)")
+    schedule = int(steps or t.max_steps)
     if int(o.warmup_steps) >= schedule:  # legal (short test runs), but rarely meant
         print(f"warning: optim.warmup_steps={o.warmup_steps} >= the schedule's {schedule} steps: the learning rate "
               "never leaves warmup (no cosine decay)", file=sys.stderr)
@@ -125,6 +129,28 @@ def _check_trainer_and_optim(cfg: DictConfig):
         raise ConfigError("optim.grad_clip", o.grad_clip, "must be >= 0 (0 or null: no clipping)")
     if o.get("tokens_per_step") is not None and int(o.tokens_per_step) < 1:
         raise ConfigError("optim.tokens_per_step", o.tokens_per_step, "must be a positive integer (or null)")
+
+
+def _check_cpu_training(cfg: DictConfig):
+    """Training on the CPU: what the kernels and Lightning refuse there only after the data is prepared."""
+    import torch
+
+    from kernels import triton_interpreting
+    from model.config import ConfigError
+
+    accelerator = cfg.trainer.accelerator
+    if accelerator in ("gpu", "cuda", "mps") or (accelerator == "auto" and torch.cuda.is_available()):
+        return
+    backend = cfg.attention.backend
+    if backend == "triton" and not triton_interpreting():
+        raise ConfigError("attention.backend", backend, "the Triton kernels need a CUDA GPU (TRITON_INTERPRET=1 runs "
+                          "them on the CPU, slowly, for tests); on the CPU use auto or torch")
+    if backend == "flex":
+        raise ConfigError("attention.backend", backend, "FlexAttention has no backward on the CPU (it serves "
+                          "evaluation there); train with auto or torch")
+    if str(cfg.trainer.precision) in ("16-mixed", "16"):
+        raise ConfigError("trainer.precision", cfg.trainer.precision, "fp16 training needs a GPU; on the CPU use "
+                          "auto (32-true) or bf16-mixed")
 
 
 def _accumulation(cfg: DictConfig, world: int) -> int:
@@ -278,7 +304,8 @@ def train(cfg: DictConfig) -> dict:
     module = LitDecoder(model=OmegaConf.to_container(cfg.model, resolve=True),
                         attention=OmegaConf.to_container(cfg.attention, resolve=True),
                         optim=OmegaConf.to_container(cfg.optim, resolve=True), seed=cfg.seed,
-                        max_steps=int(cfg.optim.get("schedule_steps") or cfg.trainer.max_steps))
+                        max_steps=int(cfg.optim.get("schedule_steps") or cfg.trainer.max_steps),
+                        data=OmegaConf.to_container(cfg.data, resolve=True))
     if cfg.trainer.get("compile"):
         module.model.compile_blocks()
     n_params = module.model.num_parameters()

@@ -9,6 +9,14 @@ ATTENTION_KINDS = ("full", "swa", "sa", "gated_sa_swa", "moba")
 BACKENDS = ("auto", "torch", "triton", "flex", "naive")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a size
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key, the value and what is allowed."""
 
@@ -30,9 +38,13 @@ class AttentionConfig:
             raise ConfigError("attention.kind", self.kind, f"choose one of {ATTENTION_KINDS}")
         if self.backend not in BACKENDS:
             raise ConfigError("attention.backend", self.backend, f"choose one of {BACKENDS}")
-        if not isinstance(self.window, int) or self.window < 1:
+        if not _is_int(self.window) or self.window < 1:
             raise ConfigError("attention.window", self.window,
                               "the band holds w >= 1 slots (w counts the query itself)")
+        if not _is_int(self.eval_seed):
+            raise ConfigError("attention.eval_seed", self.eval_seed, "an integer (seeds SA's evaluation permutations)")
+        if not isinstance(self.per_sequence_perm, bool):
+            raise ConfigError("attention.per_sequence_perm", self.per_sequence_perm, "true or false")
 
 
 @dataclass
@@ -52,11 +64,21 @@ class ModelConfig:
     def __post_init__(self):
         for key in ("vocab_size", "n_layers", "d_model", "n_heads", "max_seq_len"):
             value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ConfigError(f"model.{key}", value, "must be a positive integer")
+        for key in ("n_kv_heads", "ffn_hidden"):
+            value = getattr(self, key)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ConfigError(f"model.{key}", value, "a positive integer, or null for the default")
+        for key in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, key)
+            if not _is_number(value) or not value > 0:
+                raise ConfigError(f"model.{key}", value, "must be a positive number")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ConfigError("model.tie_embeddings", self.tie_embeddings, "true or false")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+        if self.n_heads % self.n_kv_heads:
             raise ConfigError("model.n_kv_heads", self.n_kv_heads,
                               f"must divide model.n_heads={self.n_heads} (each kv head serves a whole group)")
         if self.d_model % self.n_heads:

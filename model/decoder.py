@@ -91,7 +91,7 @@ class Decoder(nn.Module):
                 total -= self.lm_head.weight.numel()
         return total
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: int, non_embedding_params: int | None = None) -> float:
         """Training FLOPs per token, for MFU: 6 x (the non-embedding parameters + the LM head's d x V matmul, which runs
         whether or not it shares the embedding's weights) + attention over the keys a query's band computes, on
         average: a causal band of w keys (SWA; full attention is w = n) has w - w(w-1)/(2n), SA's permuted band w."""
@@ -100,4 +100,6 @@ class Decoder(nn.Module):
         causal_band = w - w * (w - 1) / (2 * n)
         span = {"full": causal_band, "swa": causal_band, "gated_sa_swa": w + causal_band}.get(kind, w)
         attn = 12 * self.cfg.n_layers * self.cfg.d_model * span
-        return 6 * (self.num_parameters(non_embedding=True) + self.cfg.vocab_size * self.cfg.d_model) + attn
+        if non_embedding_params is None:  # counted by the caller where the parameters may be sharded (FSDP)
+            non_embedding_params = self.num_parameters(non_embedding=True)
+        return 6 * (non_embedding_params + self.cfg.vocab_size * self.cfg.d_model) + attn

@@ -13,8 +13,22 @@ from lightning.pytorch.utilities import rank_zero_warn
 from model.config import AttentionConfig, ModelConfig
 from model.decoder import Decoder
 
-# Dense bf16 peak FLOP/s per device, for model FLOPs utilisation. Unknown devices log no MFU.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "4090": 165e12}
+# Dense bf16 peak FLOP/s per device (the SXM / flagship parts), for model FLOPs utilisation, matched on the whole
+# model name in torch.cuda.get_device_name: "L4" must not take "L40S", nor "H100" the PCIe card (756e12). Devices
+# not listed log no MFU.
+PEAK_FLOPS = {"H100": 989e12, "H100 80GB HBM3": 989e12, "H200": 989e12, "A100": 312e12, "A10G": 125e12,
+              "L4": 121e12, "L40S": 362e12, "RTX 4090": 165e12}
+
+
+def peak_flops(device_name: str) -> float | None:
+    """PEAK_FLOPS of a device name such as "NVIDIA H100 80GB HBM3" or "NVIDIA A100-SXM4-80GB" (the model is the
+    word after the vendor, up to a dash: A100-SXM4 is an A100, A100-PCIE too, both 312e12), or None."""
+    name = device_name.removeprefix("NVIDIA").strip()
+    if name in PEAK_FLOPS:
+        return PEAK_FLOPS[name]
+    if "PCIe" in name or "NVL" in name:  # other parts of a listed model, at other clocks: unknown here
+        return None
+    return PEAK_FLOPS.get(name.split("-")[0].split(" ")[0])
 
 
 class NonFiniteLossError(RuntimeError):
@@ -43,6 +57,8 @@ def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float):
     return fn
 
 
+# keys that change how a run is executed, not what it trains: not compared on resume
+RUN_LOCAL = {"attention": ("backend",), "data": ("cache_dir", "num_workers", "val_batch_size")}
 # model keys that change the parameters' shapes: a checkpoint of another shape cannot be resumed
 SHAPE_KEYS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings")
 
@@ -55,14 +71,17 @@ def _check_resumed_config(saved: dict, now: dict) -> None:
     from model.config import ConfigError
 
     changes = []
-    for group in ("model", "attention", "optim"):
+    if saved.get("seed", now.get("seed")) != now.get("seed"):
+        changes.append(f"seed: {saved['seed']!r} -> {now.get('seed')!r} (the data order and SA's permutations follow "
+                       "the new seed from here on)")
+    for group in ("model", "attention", "optim", "data"):
         if not saved.get(group):  # an older checkpoint without it: nothing to compare
             continue
         old, new = dict(saved[group]), dict(now.get(group) or {})
         if group == "model":  # as built: n_kv_heads None is n_heads, ffn_hidden None its computed width
             old, new = asdict(ModelConfig(**old)), asdict(ModelConfig(**new))
         for key in sorted(set(old) | set(new)):
-            if old.get(key) != new.get(key) and not (group == "attention" and key == "backend"):
+            if old.get(key) != new.get(key) and key not in RUN_LOCAL.get(group, ()):
                 if group == "model" and key in SHAPE_KEYS:
                     raise ConfigError(f"model.{key}", new.get(key), f"the checkpoint was trained with "
                                       f"{old.get(key)!r}; a model of another shape cannot load its weights")
@@ -78,8 +97,20 @@ def _check_resumed_config(saved: dict, now: dict) -> None:
         rank_zero_warn("resuming with a config that differs from the checkpoint's: " + "; ".join(changes))
 
 
+def same_tokenizer(a: str, b: str) -> bool:
+    """Whether two tokenizer.json texts give the same token ids (truncation and padding are call settings)."""
+    import json
+
+    def core(text):
+        spec = json.loads(text)
+        return {k: v for k, v in spec.items() if k not in ("truncation", "padding")}
+
+    return a == b or core(a) == core(b)
+
+
 class LitDecoder(L.LightningModule):
-    def __init__(self, model: dict, attention: dict, optim: dict, seed: int = 0, max_steps: int = 1000):
+    def __init__(self, model: dict, attention: dict, optim: dict, seed: int = 0, max_steps: int = 1000,
+                 data: dict | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.model = Decoder(ModelConfig(**model), AttentionConfig(**attention), seed=seed)
@@ -90,7 +121,13 @@ class LitDecoder(L.LightningModule):
         self.optim_cfg = optim
         self.max_steps = max_steps
         self._last_time = None
+        self._save_started = None
         self._peak = None
+        # FLOPs per token by sequence length, counted here, on the whole model: under FSDP a parameter outside the
+        # forward holds only this rank's shard, and a count taken then shrank MFU by the world size
+        self._flops_per_token = {}
+        self._params_non_embedding = self.model.num_parameters(non_embedding=True)
+        self._loss_sum, self._loss_count = None, 0  # the micro-batch losses of the current optimizer step
         self.tokenizer_json: str | None = None  # saved inside every checkpoint, so a checkpoint alone can be evaluated
         # data.loss_only_after: the loss counts only the target right after each occurrence of this token (its id).
         self.loss_only_after: str | None = None
@@ -98,12 +135,24 @@ class LitDecoder(L.LightningModule):
         self._val_totals = None
 
     def on_save_checkpoint(self, checkpoint):
+        self._save_started = time.perf_counter()  # the save is not part of the step's throughput
         if self.tokenizer_json is not None:
             checkpoint["tokenizer"] = self.tokenizer_json
         checkpoint["loss_only_after"] = self.loss_only_after
 
     def on_load_checkpoint(self, checkpoint):
-        self.tokenizer_json = checkpoint.get("tokenizer", self.tokenizer_json)
+        saved_tokenizer = checkpoint.get("tokenizer")
+        if saved_tokenizer is not None and self.tokenizer_json is not None:
+            if not same_tokenizer(saved_tokenizer, self.tokenizer_json):
+                from model.config import ConfigError
+
+                # the checkpoint's embeddings belong to its token ids: new ids would train on, silently, and every
+                # later checkpoint would carry a tokenizer its data was not made with
+                raise ConfigError("data.tokenizer", "this run's", "the checkpoint was trained with another tokenizer "
+                                  "(the data was prepared anew: another source, tokenizer settings or corpus); resume "
+                                  "with the data config it was trained on, or give data.tokenizer.path=<that run's "
+                                  "tokenizer.json, in its data cache folder>")
+        self.tokenizer_json = self.tokenizer_json or saved_tokenizer
         _check_resumed_config(checkpoint.get("hyper_parameters") or {}, dict(self.hparams))
         saved = checkpoint.get("loss_only_after")  # absent in older checkpoints: they trained on every token
         if saved != self.loss_only_after:
@@ -118,8 +167,22 @@ class LitDecoder(L.LightningModule):
     def on_train_start(self):
         self.model.sampler.rank = self.global_rank
         if self.device.type == "cuda":
-            name = torch.cuda.get_device_name(self.device)
-            self._peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+            self._peak = peak_flops(torch.cuda.get_device_name(self.device))
+        self._apply_optim_config()
+
+    def _apply_optim_config(self):
+        """Set the optimizer and the schedule to this run's optim config. A resume restores both from the checkpoint,
+        param groups and base rates included, so a resume with another optim.lr, weight_decay, betas or eps kept the
+        old values while config.yaml and the resume warning showed the new. A run that resumes with its own config
+        gets the values it already has."""
+        cfg = self.optim_cfg
+        for config in self.trainer.lr_scheduler_configs:
+            sched = config.scheduler
+            for group, decay, fn in zip(sched.optimizer.param_groups, (cfg["weight_decay"], 0.0), sched.lr_lambdas):
+                group.update(initial_lr=cfg["lr"], weight_decay=decay, betas=tuple(cfg["betas"]), eps=cfg["eps"],
+                             lr=cfg["lr"] * fn(sched.last_epoch))
+            sched.base_lrs = [cfg["lr"]] * len(sched.base_lrs)
+            sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
 
     def on_train_batch_start(self, batch, batch_idx):
         # SA permutations are seeded by (seed, micro-batch, layer, rank): every forward pass draws fresh ones, also
@@ -169,19 +232,32 @@ class LitDecoder(L.LightningModule):
             )
         trainer = self.trainer
         tokens_per_step = batch[:, :-1].numel() * trainer.world_size * trainer.accumulate_grad_batches
-        self.log("train/loss", loss, prog_bar=True)
+        # train/loss is logged once per optimizer step (on_before_optimizer_step): the mean over its micro-batches
+        # and ranks. Logged here, it was the last micro-batch of rank zero, 1/accumulation of the step's data.
+        self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()
+        self._loss_count += 1
         self.log("train/tokens", float((self.global_step + 1) * tokens_per_step))
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         now = time.perf_counter()
+        end = self._save_started or now  # a checkpoint saved after this step (ModelCheckpoint runs first) is left out
         if self._last_time is not None:
-            tokens_per_s = batch[:, :-1].numel() * self.trainer.world_size / (now - self._last_time)
+            tokens_per_s = batch[:, :-1].numel() * self.trainer.world_size / (end - self._last_time)
             self.log("train/tokens_per_s", tokens_per_s, prog_bar=True)
             if self._peak:
-                flops = self.model.flops_per_token(batch.shape[1] - 1) * tokens_per_s / self.trainer.world_size
+                flops = self._flops(batch.shape[1] - 1) * tokens_per_s / self.trainer.world_size
                 self.log("train/mfu", flops / self._peak)
-        self._last_time = now
+        self._last_time, self._save_started = now, None
+
+    def _flops(self, seq_len: int) -> float:
+        if seq_len not in self._flops_per_token:
+            self._flops_per_token[seq_len] = self.model.flops_per_token(seq_len, self._params_non_embedding)
+        return self._flops_per_token[seq_len]
+
+    def on_validation_end(self):
+        if self._last_time is not None:  # inside fit: the next step's time starts after the validation
+            self._last_time = time.perf_counter()
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         clip = self.optim_cfg.get("grad_clip") or float("inf")
@@ -212,6 +288,7 @@ class LitDecoder(L.LightningModule):
             else:
                 rank_zero_warn(f"no validation window holds data.loss_only_after={self.loss_only_after!r}; "
                                "raise data.val_windows")
+                return  # no val/ppl either: callback_metrics still holds the previous validation's loss
         loss = self.trainer.callback_metrics.get("val/loss")
         if loss is not None:
             self.log("val/ppl", torch.exp(loss), sync_dist=True)
@@ -233,3 +310,6 @@ class LitDecoder(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         self.log("train/lr", optimizer.param_groups[0]["lr"])
+        if self._loss_count:
+            self.log("train/loss", self._loss_sum / self._loss_count, prog_bar=True, sync_dist=True)
+            self._loss_sum, self._loss_count = None, 0

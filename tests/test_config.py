@@ -72,6 +72,17 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("optim.betas=[0.9]", "optim.betas"),
         ("optim.warmup_steps=-1", "optim.warmup_steps"),
         ("optim.min_lr_ratio=2", "optim.min_lr_ratio"),
+        ("optim.schedule_steps=-5", "optim.schedule_steps"),
+        ("model.ffn_hidden=0", "model.ffn_hidden"),
+        ("model.norm_eps=-1", "model.norm_eps"),
+        ("model.n_kv_heads=2.0", "model.n_kv_heads"),
+        ("model.vocab_size=true", "model.vocab_size"),
+        ("model.rope_theta=1e", "model.rope_theta"),
+        ("attention.window=true", "attention.window"),
+        ("attention.eval_seed=first", "attention.eval_seed"),
+        ("attention.per_sequence_perm=1", "attention.per_sequence_perm"),
+        *([("attention.backend=flex", "attention.backend"), ("trainer.precision=16-mixed", "trainer.precision")]
+          if not torch.cuda.is_available() else []),  # no FlexAttention backward, no fp16 autocast on the CPU
         *([("trainer=ddp", "trainer.accelerator")] if not torch.cuda.is_available() else []),  # a GPU preset on CPU
     ],
 )
@@ -80,6 +91,18 @@ def test_bad_config_is_refused_with_its_key(override, key, tmp_path, corpus_file
     with pytest.raises(ConfigError) as err:
         check_config(cfg)
     assert err.value.key == key and key in str(err.value)
+
+
+def test_triton_training_on_the_cpu_is_refused_without_the_interpreter(tmp_path, corpus_file, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("the Triton backend runs on this machine's GPU")
+    cfg = compose_train(TINY + ["attention.backend=triton"], tmp_path, corpus_file)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="need a CUDA GPU") as err:
+        check_config(cfg)
+    assert err.value.key == "attention.backend"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter (the tests' way) is allowed
+    check_config(cfg)
 
 
 @pytest.mark.parametrize("name", ["small", "360m"])

@@ -122,6 +122,35 @@ def test_resuming_with_another_config_is_warned_about_or_refused(tmp_path, corpu
     with pytest.raises(ConfigError, match="model.n_layers"):
         train(compose_train(common + ["attention.window=4", "trainer.max_steps=4", "resume=auto", "model.n_layers=3",
                                       "optim.schedule_steps=3"], run, corpus_file, data_cache))
+    # another tokenizer (the data prepared anew): the checkpoint's embeddings belong to its own token ids
+    with pytest.raises(ConfigError, match="data.tokenizer.*another tokenizer"):
+        train(compose_train(common + ["attention.window=4", "trainer.max_steps=4", "resume=auto",
+                                      "optim.schedule_steps=3", "data.tokenizer.vocab_size=300"], run, corpus_file,
+                            data_cache))
+    with pytest.warns(UserWarning, match=r"seed: 0 -> 1 .*data.val_windows: 4 -> 2"):
+        train(compose_train(common + ["attention.window=4", "trainer.max_steps=4", "resume=auto",
+                                      "optim.schedule_steps=3", "seed=1", "data.val_windows=2"], run, corpus_file,
+                            data_cache))
+
+
+def test_a_resume_with_another_learning_rate_or_weight_decay_applies_them(tmp_path, corpus_file, data_cache):
+    """Lightning restores the optimizer's groups and the schedule's base rate from the checkpoint: the new optim.lr
+    and weight_decay were warned about as changed, and then not used."""
+    from model.lightning_module import lr_lambda
+
+    common = TINY + ["attention=sa", "attention.window=8", "optim.schedule_steps=6", "trainer.val_every_n_steps=3"]
+    run = tmp_path / "run"
+    train(compose_train(common + ["trainer.max_steps=3"], run, corpus_file, data_cache))
+    with pytest.warns(UserWarning, match=r"optim.lr: 0.003 -> 0.001; optim.weight_decay: 0.01 -> 0.2"):
+        train(compose_train(common + ["trainer.max_steps=5", "resume=auto", "optim.lr=1e-3", "optim.weight_decay=0.2"],
+                            run, corpus_file, data_cache))
+    rates = read_run_metrics(run / "metrics.csv")["train/lr"]
+    schedule = lr_lambda(2, 6, 0.1)
+    assert rates[2] == pytest.approx(3e-3 * schedule(2)) and rates[3] == pytest.approx(1e-3 * schedule(3))
+    assert rates[4] == pytest.approx(1e-3 * schedule(4))
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    decay, no_decay = saved["optimizer_states"][0]["param_groups"]
+    assert (decay["weight_decay"], no_decay["weight_decay"], decay["initial_lr"]) == (0.2, 0.0, 1e-3)
 
 
 def test_the_resume_check_compares_models_as_built():
@@ -289,6 +318,86 @@ def test_each_micro_batch_of_an_accumulated_step_draws_its_own_permutations(tmp_
     batches = torch.utils.data.DataLoader(torch.randint(0, 32, (6, 17)), batch_size=1, collate_fn=torch.stack)
     trainer.fit(module, train_dataloaders=batches)
     assert record.steps == [0, 1, 2, 3, 4, 5]
+
+
+def _tiny_module(kind="swa", max_steps=8):
+    return LitDecoder(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
+                      attention=dict(kind=kind, window=4), max_steps=max_steps,
+                      optim=dict(lr=1e-3, weight_decay=0.0, betas=[0.9, 0.95], eps=1e-8, warmup_steps=1,
+                                 min_lr_ratio=0.1))
+
+
+def test_train_loss_is_the_mean_over_the_steps_micro_batches(tmp_path):
+    """Logged from training_step, train/loss was the last micro-batch's only: 1/accumulation of the step's data."""
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    class RecordLosses(L.Callback):
+        def __init__(self):
+            self.losses = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            with torch.no_grad():  # SWA: no permutations, the same loss the step computes from these weights
+                self.losses.append(float(pl_module._loss(batch)[0]))
+
+    record = RecordLosses()
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, accumulate_grad_batches=3, callbacks=[record],
+                        logger=CSVLogger(tmp_path, name="log"), log_every_n_steps=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    batches = torch.utils.data.DataLoader(torch.randint(0, 32, (9, 17)), batch_size=1, collate_fn=torch.stack)
+    trainer.fit(_tiny_module(), train_dataloaders=batches)
+    [path] = list((tmp_path / "log").rglob("metrics.csv"))
+    logged = read_run_metrics(path)["train/loss"]
+    assert sorted(logged) == [0, 1, 2]
+    for step in range(3):
+        assert logged[step] == pytest.approx(sum(record.losses[3 * step:3 * step + 3]) / 3, rel=1e-5), step
+
+
+def test_tokens_per_s_leaves_out_checkpoint_saves(tmp_path):
+    """ModelCheckpoint saves in its own on_train_batch_end, before the module measures the step: a slow save read
+    as a slow step (~60 against ~5,500 tokens/s with a 0.5 s save)."""
+    import time
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    class SlowDisk(TorchCheckpointIO):
+        def save_checkpoint(self, *args, **kwargs):
+            time.sleep(0.5)
+            super().save_checkpoint(*args, **kwargs)
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=8, plugins=[SlowDisk()], log_every_n_steps=1,
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)],
+                        logger=CSVLogger(tmp_path, name="log"), enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    batches = torch.utils.data.DataLoader(torch.randint(0, 32, (8, 17)), batch_size=1, collate_fn=torch.stack)
+    trainer.fit(_tiny_module(), train_dataloaders=batches)
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 2  # after steps 3 and 6 (rows 2 and 5)
+    [path] = list((tmp_path / "log").rglob("metrics.csv"))
+    rates = read_run_metrics(path)["train/tokens_per_s"]
+    others = sorted(v for step, v in rates.items() if step not in (2, 5))
+    median = others[len(others) // 2]
+    assert min(rates[2], rates[5]) > median / 5, (rates, median)  # 0.5 s in a ~10 ms step would be ~50x slower
+
+
+def test_mfu_counts_the_whole_model_under_fsdp():
+    """Under FSDP a parameter outside the forward holds one rank's shard: a count taken then shrank MFU."""
+    module = _tiny_module()
+    expected = module.model.flops_per_token(16)
+    for p in module.model.parameters():
+        p.data = p.data.reshape(-1)[: max(1, p.numel() // 2)]  # what one of two ranks holds
+    assert module._flops(16) == expected
+
+
+def test_peak_flops_of_device_names():
+    from model.lightning_module import peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3") == peak_flops("NVIDIA H200") == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == peak_flops("NVIDIA A100-PCIE-40GB") == 312e12
+    assert peak_flops("NVIDIA L40S") == 362e12 and peak_flops("NVIDIA L4") == 121e12
+    assert peak_flops("NVIDIA H100 PCIe") is None and peak_flops("Tesla T4") is None
 
 
 def test_loss_only_after_counts_just_the_following_tokens():
