@@ -178,8 +178,9 @@ def _loss_token(text: str, tokenizer_path: Path, val_shard: Path) -> int:
     tok = load_tokenizer(tokenizer_path)
     token_id = single_token_id(tok, text)
     if token_id is None:
-        raise ConfigError("data.loss_only_after", text, f"is {tok.encode(text).tokens} with this run's tokenizer; "
-                          "give text that is exactly one token (mind the leading space)")
+        pieces = tok.encode(text, add_special_tokens=False).tokens
+        raise ConfigError("data.loss_only_after", text, f"is {pieces} with this run's tokenizer; give text that is "
+                          "exactly one token (mind the leading space)")
     if not (read_shard(val_shard) == token_id).any():
         raise ConfigError("data.loss_only_after", text,
                           f"token {tok.id_to_token(token_id)!r} never occurs in the validation text, so nothing would "

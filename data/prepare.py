@@ -24,8 +24,9 @@ from data.tokenizer import eos_id, load_tokenizer, tokenizer_hash, train_bpe
 from model.config import ConfigError
 
 # 2: max_tokens is checked after every document (1 overshot by up to 256 documents); 3: a special token's text inside
-# a document is text (2 turned a literal "<|endoftext|>" into an EOS, splitting the document)
-FORMAT_VERSION = 3
+# a document is text (2 turned a literal "<|endoftext|>" into an EOS, splitting the document); 4: the tokenizer is
+# trained on training documents only (3 also saw the validation ones), and a loaded one neither truncates nor pads
+FORMAT_VERSION = 4
 
 
 @dataclass
@@ -57,6 +58,8 @@ def cache_key(cfg: dict) -> str:
     if source["kind"] == "files":  # the files' identity: path, size and mtime
         source["files"] = [(f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns)
                            for f in sources.resolve_files(source["paths"])]
+    if source["kind"] == "embedded":  # the text is this Python's stdlib docstrings, which change between versions
+        source["python"] = list(sys.version_info[:2])
     tok = dict(cfg["tokenizer"])
     if tok.get("path"):
         tok["sha256"] = hashlib.sha256(Path(tok["path"]).read_bytes()).hexdigest()
@@ -127,7 +130,7 @@ def exclusive_lock(path: Path, waiting_message: str):
 
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # NFS grants an exclusive flock only to a writer
     except (ImportError, OSError) as err:
-        print(f"warning: no lock at {path} ({err}); concurrent runs may prepare the same data", file=sys.stderr)
+        print(f"warning: no lock at {path} ({err}); concurrent runs may repeat this work", file=sys.stderr)
         yield
         return
     try:
@@ -137,7 +140,7 @@ def exclusive_lock(path: Path, waiting_message: str):
             print(waiting_message, file=sys.stderr, flush=True)
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as err:  # ENOLCK / EOPNOTSUPP: the file system has no flock
-            print(f"warning: cannot lock {path} ({err}); concurrent runs may prepare the same data",
+            print(f"warning: cannot lock {path} ({err}); concurrent runs may repeat this work",
                   file=sys.stderr)
         yield
     finally:
@@ -155,15 +158,18 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
         tok = load_tokenizer(tok_cfg["path"])
         head: list[str] = []
     else:  # train on the first `train_chars` characters, then keep streaming the rest of the same iterator
-        head, chars = [], 0
+        head, train_texts, chars = [], [], 0
         for doc in docs:
             head.append(doc)
+            if _is_val(len(head) - 1, cfg["val_fraction"]):
+                continue  # held out from the tokenizer too: its merges would fit the validation text
+            train_texts.append(doc)
             chars += len(doc)
             if chars >= tok_cfg["train_chars"]:
                 break
         if not head:
             raise ConfigError("data.source", cfg["source"], "the source yielded no text")
-        tok = train_bpe(head, tok_cfg["vocab_size"])
+        tok = train_bpe(train_texts, tok_cfg["vocab_size"])
     shards.atomic_write_bytes(root / "tokenizer.json", [tok.to_str().encode()])
     eos = eos_id(tok)
     tok.encode_special_tokens = True  # documents are text: EOS only where a document ends, appended below

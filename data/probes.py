@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data.prepare import exclusive_lock
 from data.shards import atomic_write_bytes, atomic_write_text
 
 TASKS = ("kv", "passkey", "recall", "needle")
@@ -379,19 +380,31 @@ def generate(spec: ProbeSpec, count: int, start: int = 0, units=None) -> list[Pr
 
 def write_jsonl(spec: ProbeSpec, num_docs: int, path: str | Path) -> Path:
     """Write `num_docs` documents ({"text": prompt + answer, ...metadata}) atomically, plus <path>.spec.json.
-    An existing file written with the same parameters is kept; one with other parameters is an error."""
+    An existing file written with the same parameters is kept; one with other parameters is an error. Ranks started
+    together write it once: a rewrite would change its mtime, and with it the data cache key of the ranks that
+    already computed theirs."""
     path = Path(path)
     sidecar = path.with_name(path.name + ".spec.json")
     wanted = {"spec": asdict(spec), "num_docs": num_docs, "units": "chars"}
     if spec.task in ("kv", "passkey"):  # distances count from the value since 2026-12-01 (before: from the item's end)
         wanted["distance_from"] = "value"
-    if path.is_file():
+
+    def kept() -> bool:
+        if not path.is_file():
+            return False
         if sidecar.is_file() and json.loads(sidecar.read_text()) == wanted:
-            return path
+            return True
         raise FileExistsError(f"{path} exists with other (or unknown) probe parameters; delete it or choose another "
                               f"path (wanted {wanted})")
-    atomic_write_text(sidecar, json.dumps(wanted, indent=1))
-    atomic_write_bytes(path, ((json.dumps(probe.as_json()) + "\n").encode() for probe in generate(spec, num_docs)))
+
+    if kept():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(path.with_name(f".{path.name}.lock"), f"another process is writing {path}; waiting"):
+        if kept():  # written while we waited
+            return path
+        atomic_write_text(sidecar, json.dumps(wanted, indent=1))
+        atomic_write_bytes(path, ((json.dumps(p.as_json()) + "\n").encode() for p in generate(spec, num_docs)))
     return path
 
 

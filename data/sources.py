@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import glob
+import itertools
 import os
 import sysconfig
 import warnings
@@ -69,8 +70,10 @@ def resolve_files(paths) -> list[str]:
     files: list[str] = []
     for pattern in paths or []:
         pattern = os.path.expanduser(str(pattern))
-        if os.path.isdir(pattern):
-            matches = sorted(p for p in glob.glob(os.path.join(pattern, "**", "*"), recursive=True)
+        if os.path.isfile(pattern):  # as named: "notes[1].txt" is a file, not the glob that matches notes1.txt
+            matches = [pattern]
+        elif os.path.isdir(pattern):
+            matches = sorted(p for p in glob.glob(os.path.join(glob.escape(pattern), "**", "*"), recursive=True)
                              if os.path.isfile(p))
             matches = [p for p in matches if not Path(p).name.startswith(".") and Path(p).suffix not in {".md", ".tsv"}]
         else:
@@ -85,17 +88,29 @@ def resolve_files(paths) -> list[str]:
     return files
 
 
+def _loads(files: list[str]):
+    """(builder, files) for each load_dataset call, in file order. One call per json / parquet file: a call fixes the
+    columns from its first file and refuses a later file with other fields (probes mixed with books). Consecutive
+    txt files share one call (their one column is always "text"), as a folder of thousands of one-document files
+    would otherwise spend more time opening loaders than tokenizing."""
+    for builder, run in itertools.groupby(files, key=_builder):
+        run = list(run)
+        if builder == "text":
+            yield builder, run
+        else:
+            yield from ((builder, [f]) for f in run)
+
+
 def file_documents(paths, text_field: str = "text", streaming: bool = True) -> Iterator[str]:
-    """Local txt / jsonl / json / parquet files (gzip too) through `datasets`' own loaders."""
+    """Local txt / jsonl / json / parquet files (gzip too) through `datasets`' own loaders, in the order of
+    resolve_files."""
     import datasets
 
-    files = resolve_files(paths)
-    by_builder: dict[str, list[str]] = {}
-    for f in files:
-        by_builder.setdefault(_builder(f), []).append(f)
-    for builder, group in by_builder.items():
+    for builder, group in _loads(resolve_files(paths)):
         kwargs = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files={"train": group}, split="train", streaming=streaming, **kwargs)
+        # datasets globs data_files again: escaped, a file named "a[1].jsonl" is read as itself
+        ds = datasets.load_dataset(builder, data_files={"train": [glob.escape(f) for f in group]}, split="train",
+                                   streaming=streaming, **kwargs)
         for row in ds:
             if text_field not in row:
                 raise ConfigError("data.source.text_field", text_field, f"not a field of {group[0]}: {sorted(row)}")
@@ -103,11 +118,12 @@ def file_documents(paths, text_field: str = "text", streaming: bool = True) -> I
                 yield row[text_field]
 
 
-def hub_documents(name: str, config: str | None, split: str, text_field: str, streaming: bool = True) -> Iterator[str]:
+def hub_documents(name: str, config: str | None, split: str, text_field: str, streaming: bool = True,
+                  revision: str | None = None) -> Iterator[str]:
     import datasets
 
     try:
-        ds = datasets.load_dataset(name, config, split=split, streaming=streaming)
+        ds = datasets.load_dataset(name, config, split=split, streaming=streaming, revision=revision)
     except Exception as err:  # offline, unknown name, no permission: say how to use local files instead
         raise DataSourceError(
             f"could not open the HuggingFace dataset {name!r} "
@@ -132,5 +148,5 @@ def documents(source) -> Iterator[str]:
         return file_documents(source["paths"], source.get("text_field", "text"), source.get("streaming", True))
     if kind == "hf":
         return hub_documents(source["name"], source.get("config"), source.get("split", "train"),
-                             source.get("text_field", "text"), source.get("streaming", True))
+                             source.get("text_field", "text"), source.get("streaming", True), source.get("revision"))
     raise ConfigError("data.source.kind", kind, f"choose one of {SOURCE_KINDS}")

@@ -30,7 +30,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer file {path} does not exist (data.tokenizer.path)")
-    return Tokenizer.from_file(str(path))
+    tok = Tokenizer.from_file(str(path))
+    # A foreign tokenizer.json may carry truncation / padding from its training setup: the documents would be cut
+    # or padded in silence. tokenizers does not save encode_special_tokens, so it is set on every load: a literal
+    # "<|endoftext|>" in text is text, as in the shards data.prepare wrote (model.checkpoint sets it too).
+    tok.no_truncation()
+    tok.no_padding()
+    tok.encode_special_tokens = True
+    return tok
 
 
 def eos_id(tok: Tokenizer) -> int:
@@ -45,7 +52,7 @@ def eos_id(tok: Tokenizer) -> int:
 
 def single_token_id(tok: Tokenizer, text: str) -> int | None:
     """The id of `text` if the tokenizer encodes it as exactly one token, else None."""
-    ids = tok.encode(text).ids
+    ids = tok.encode(text, add_special_tokens=False).ids  # a post-processor's "<s> $A" would make every text two
     return ids[0] if len(ids) == 1 else None
 
 

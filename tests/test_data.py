@@ -218,3 +218,138 @@ def test_existing_tokenizer_is_loaded(tmp_path, corpus_file):
     second = prepare(cfg, tmp_path / "b", progress=False)
     assert not second.meta["tokenizer"]["trained"]
     assert second.meta["tokenizer"]["hash"] == first.meta["tokenizer"]["hash"]
+
+
+def test_json_files_with_different_fields_are_read_together_in_order(tmp_path):
+    """The advertised mixture: probe documents (text + metadata fields) next to books (text + title), and txt."""
+    from data.probes import ProbeSpec, write_jsonl
+
+    probes = write_jsonl(ProbeSpec(task="kv", length=200, num_pairs=2), 3, tmp_path / "probes.jsonl")
+    with gzip.open(tmp_path / "books.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"text": "a book", "title": "T", "year": 1900}) + "\n")
+    (tmp_path / "a.txt").write_text("a text file")
+    files = [tmp_path / "a.txt", probes, tmp_path / "books.jsonl.gz"]
+    probe_texts = [json.loads(line)["text"] for line in probes.read_text().splitlines()]
+    for streaming in (True, False):
+        docs = list(file_documents([str(p) for p in files], streaming=streaming))
+        assert docs == ["a text file"] + probe_texts + ["a book"]  # the order of the paths
+
+
+def test_a_file_name_with_glob_characters_is_that_file(tmp_path):
+    from data.sources import resolve_files
+
+    (tmp_path / "notes[1].txt").write_text("the bracketed one")
+    (tmp_path / "notes1.txt").write_text("what the glob notes[1].txt matches")
+    (tmp_path / "q?.jsonl").write_text(json.dumps({"text": "the questioned one"}) + "\n")
+    (tmp_path / "qa.jsonl").write_text(json.dumps({"text": "what the glob q?.jsonl matches"}) + "\n")
+    (tmp_path / "set[1]").mkdir()
+    (tmp_path / "set[1]" / "a.txt").write_text("inside a bracketed folder")
+    named = [str(tmp_path / "notes[1].txt"), str(tmp_path / "q?.jsonl"), str(tmp_path / "set[1]")]
+    assert resolve_files(named) == named[:2] + [str(tmp_path / "set[1]" / "a.txt")]
+    assert list(file_documents(named)) == ["the bracketed one", "the questioned one", "inside a bracketed folder"]
+    assert resolve_files([str(tmp_path / "notes?.txt")]) == [str(tmp_path / "notes1.txt")]  # a pattern still globs
+
+
+def _tokens_by_document(paths, eos):
+    tokens = np.concatenate([np.asarray(shards.read_shard(p)) for p in paths]).tolist()
+    docs, start = [], 0
+    for i, t in enumerate(tokens):
+        if t == eos:
+            docs.append(tokens[start:i])
+            start = i + 1
+    return docs
+
+
+def test_a_loaded_tokenizer_neither_truncates_nor_pads(tmp_path, corpus_file):
+    from tokenizers import Tokenizer
+
+    from data.tokenizer import EOS
+
+    first = prepare(data_cfg([corpus_file]), tmp_path / "a", progress=False)
+    tok = Tokenizer.from_file(str(first.tokenizer_path))
+    tok.enable_truncation(max_length=16)  # as a tokenizer.json saved from a training setup may come
+    tok.enable_padding(length=64, pad_id=first.meta["tokenizer"]["eos_id"], pad_token=EOS)
+    tok.save(str(tmp_path / "truncating.json"))
+    cfg = data_cfg([corpus_file])
+    cfg["tokenizer"]["path"] = str(tmp_path / "truncating.json")
+    second = prepare(cfg, tmp_path / "b", progress=False)
+    assert second.meta["tokens"] == first.meta["tokens"]
+    eos = first.meta["tokenizer"]["eos_id"]
+    assert _tokens_by_document(second.train_shards, eos) == _tokens_by_document(first.train_shards, eos)
+    assert load_tokenizer(tmp_path / "truncating.json").truncation is None
+
+
+def test_the_saved_tokenizer_encodes_documents_as_the_shards_hold_them(tmp_path):
+    """tokenizer.json (saved in checkpoints, loaded by train.py and analysis) reads a literal "<|endoftext|>" as
+    text, as the shards do: every document encodes to exactly its tokens in the shards."""
+    from data.prepare import _is_val
+    from data.tokenizer import EOS, eos_id
+
+    docs = [f"plain document number {i} about cats and dogs" for i in range(40)]
+    docs[7] = f"a tokenizer marks the end with {EOS} and then goes on"
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepared = prepare(data_cfg([path], vocab=280), tmp_path / "cache", progress=False)
+    tok = load_tokenizer(prepared.tokenizer_path)
+    eos = eos_id(tok)
+    assert eos not in tok.encode(docs[7]).ids
+    train = [tok.encode(d).ids for i, d in enumerate(docs) if not _is_val(i, 0.1)]
+    val = [tok.encode(d).ids for i, d in enumerate(docs) if _is_val(i, 0.1)]
+    assert _tokens_by_document(prepared.train_shards, eos) == train
+    assert _tokens_by_document([prepared.val_shard], eos) == val
+
+
+def test_single_token_id_ignores_the_post_processor():
+    """A Llama-style template ("<s> $A") adds a token to every encoding; one token of text is still one token."""
+    from tokenizers import processors
+
+    from data.tokenizer import single_token_id, train_bpe
+
+    tok = train_bpe([f"is it {i} ? yes it is {i} ?" for i in range(50)], vocab_size=300)
+    tok.add_special_tokens(["<s>"])
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    assert len(tok.encode(" ?").ids) == 2  # the template is on
+    assert single_token_id(tok, " ?") == tok.token_to_id("Ġ?") is not None
+    assert single_token_id(tok, " ? ?") is None
+
+
+def test_cache_key_covers_the_python_version_and_the_hub_revision(monkeypatch):
+    """The embedded corpus is this Python's stdlib; a hub dataset is pinned by its revision, which reaches the hub."""
+    import sys
+
+    import datasets
+    from omegaconf import OmegaConf
+
+    from conftest import ROOT
+    from data.prepare import cache_key
+    from data.sources import documents
+
+    cfg = {"source": {"kind": "embedded"}, "tokenizer": {"path": None, "vocab_size": 300, "train_chars": 10**7},
+           "val_fraction": 0.05}
+    here = cache_key(cfg)
+    monkeypatch.setattr(sys, "version_info", (3, 99, 0, "final", 0))
+    other_python = cache_key(cfg)
+    monkeypatch.undo()
+    assert other_python != here == cache_key(cfg)
+
+    hub = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "data" / "slimpajama.yaml").source)
+    assert "revision" in hub and hub["revision"] is None
+    seen = {}
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: seen.update(k) or [{"text": "some text"}])
+    assert list(documents({**hub, "revision": "abc123"})) == ["some text"] and seen["revision"] == "abc123"
+    assert cache_key({**cfg, "source": {**hub, "revision": "abc123"}}) != cache_key({**cfg, "source": hub})
+
+
+def test_the_tokenizer_is_trained_on_training_documents_only(tmp_path):
+    """A word only the validation documents hold gets no token of its own: the tokenizer never saw it."""
+    from data.prepare import _is_val
+
+    docs = [" zqxjv" * 60 if _is_val(i, 0.1) else f"plain document number {i} about cats and dogs"
+            for i in range(60)]
+    assert any(_is_val(i, 0.1) for i in range(60))
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepared = prepare(data_cfg([path], vocab=300), tmp_path / "cache", progress=False)
+    vocab = load_tokenizer(prepared.tokenizer_path).get_vocab()
+    assert not [t for t in vocab if "zq" in t or "xj" in t or "jv" in t]

@@ -232,3 +232,26 @@ def test_needle_trains_on_its_answers_only(tmp_path, data_cache):
                             tmp_path / "bad", cache=data_cache)
         with pytest.raises(ConfigError, match=why):
             train(cfg)
+
+
+def test_ranks_started_together_write_the_probes_file_once(tmp_path):
+    """A second rank waits for the one writing the file and then keeps it: a rewrite would change the file's mtime,
+    and with it the data cache key of the ranks that already computed theirs."""
+    import shutil
+    import threading
+
+    from data.prepare import exclusive_lock
+
+    spec = ProbeSpec(task="kv", length=200, num_pairs=2)
+    written = write_jsonl(spec, 5, tmp_path / "first" / "p.jsonl")
+    path = tmp_path / "p.jsonl"
+    waiter = threading.Thread(target=write_jsonl, args=(spec, 5, path))
+    with exclusive_lock(tmp_path / ".p.jsonl.lock", "held by the test"):  # another rank is writing the file
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and not path.exists()  # it waits instead of writing too
+        shutil.copy2(written.with_name("p.jsonl.spec.json"), tmp_path / "p.jsonl.spec.json")
+        shutil.copy2(written, path)  # what the other rank wrote
+        mtime = path.stat().st_mtime_ns
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and path.stat().st_mtime_ns == mtime  # found after the wait and kept
