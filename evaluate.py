@@ -97,15 +97,18 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
     """A pretrained HuggingFace model with SA / SWA / MoBA at prefill (weights untouched), through lm-eval's HFLM.
 
     SA with eval.num_seeds=K loads the model once and re-patches it with K permutation seeds; results.json holds
-    the first seed's lm-eval output plus every seed's scores, results.md the mean (and spread) over seeds."""
+    the first seed's lm-eval output plus every seed's scores, results.md the mean (and spread) over seeds, with a
+    column per task of the suite (not per MMLU subject). eval.dtype null loads the checkpoint's own dtype."""
     import json
     import statistics
 
     from lm_eval.utils import handle_non_serializable
 
     from data.shards import atomic_write_text
+    from evaluation.runner import plan_tasks, skipped_line, task_names
     from hf.lm_eval_runner import evaluate_hf, primary_scores
     from hf.patch import load_hf_model
+    from model.config import ConfigError
 
     kind = attention.get("kind", "full")
     if kind not in ("full", "swa", "sa", "moba"):
@@ -119,25 +122,34 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
     first = int(attention.get("eval_seed", 0))
     seeds = list(range(first, first + num_seeds))
     window, backend = attention.get("window"), attention.get("backend", "auto")
-    try:
-        model, tokenizer = load_hf_model(name, kind, window, seed=first, backend=backend,
-                                         dtype=eval_cfg.get("dtype", "auto"), device=eval_cfg.get("device", "auto"))
-    except OSError as err:
+    try:  # one plan for all seeds, made before the (possibly large) model loads
+        tasks = task_names(eval_cfg["tasks"])
+        plan = plan_tasks(tasks, eval_cfg.get("data_dir"), eval_cfg.get("task_dir"))
+    except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if plan.skipped:
+        print(skipped_line(plan.skipped, eval_cfg.get("data_dir")), file=sys.stderr)
+    if not plan.run:
+        atomic_write_text(out_dir / "results.json", json.dumps({"model": name, "skipped": plan.skipped}, indent=1))
+        print(f"error: nothing was evaluated: every task of the suite was skipped (see above); results.json in "
+              f"{out_dir} lists them", file=sys.stderr)
+        sys.exit(1)
+    try:
+        model, tokenizer = load_hf_model(name, kind, window, seed=first, backend=backend,
+                                         dtype=eval_cfg.get("dtype") or "auto", device=eval_cfg.get("device", "auto"))
+    except OSError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     per_seed = []
     for seed in seeds:  # evaluate_hf re-patches the loaded model with this seed
-        results = evaluate_hf(name, kind, window, eval_cfg["tasks"], batch_size=eval_cfg.get("batch_size", 8),
-                              limit=eval_cfg.get("limit"), seed=seed, backend=backend,
-                              data_dir=eval_cfg.get("data_dir"), max_length=eval_cfg.get("max_length"),
+        results = evaluate_hf(name, kind, window, plan.run, task_manager=plan.task_manager,
+                              batch_size=eval_cfg.get("batch_size", 8), limit=eval_cfg.get("limit"), seed=seed,
+                              backend=backend, max_length=eval_cfg.get("max_length"),
                               bootstrap_iters=eval_cfg.get("bootstrap_iters", 1000), model=model, tokenizer=tokenizer)
+        results.update(skipped=plan.skipped, data=plan.source, dtype=str(model.dtype).removeprefix("torch."))
         per_seed.append(results)
-        if not results.get("results"):  # every task skipped: the other seeds would skip them too
-            atomic_write_text(out_dir / "results.json", json.dumps(results, indent=1, default=handle_non_serializable))
-            print(f"error: nothing was evaluated: every task of the suite was skipped (see above); results.json in "
-                  f"{out_dir} lists them", file=sys.stderr)
-            sys.exit(1)
         if num_seeds > 1:
             atomic_write_text(out_dir / "lm_eval" / f"seed{seed}.json",
                               json.dumps(results, indent=1, default=handle_non_serializable))
@@ -151,7 +163,7 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
         spread = f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
         return f"{statistics.fmean(values):.{digits}f}{spread}"
 
-    scores = primary_scores(per_seed[0])
+    scores = [task for task in tasks if task in primary_scores(per_seed[0])]
     lines = ["| model | attention | w_eff | " + " | ".join(scores) + " |", "|---|---|---|" + "---|" * len(scores),
              f"| {name} | {kind} | {window or '-'} | " + " | ".join(cell(task) for task in scores) + " |"]
     lines += [f"{key.replace('/', ' ')}: {cell(key)}" for key in _perplexities(per_seed[0])]

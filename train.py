@@ -41,6 +41,10 @@ def check_config(cfg: DictConfig):
         raise ConfigError("data.val_batch_size", cfg.data.val_batch_size, "must be a positive integer (or null: "
                           "data.batch_size)")
     _check_trainer_and_optim(cfg)
+    if cfg.get("eval") and cfg.eval.get("after_train"):  # a misspelled task would fail only after training
+        from evaluation.runner import check_task_names
+
+        check_task_names(OmegaConf.to_container(cfg.eval, resolve=True)["tasks"])
     if cfg.trainer.strategy not in ("auto", "ddp", "fsdp", "ddp_spawn"):
         raise ConfigError("trainer.strategy", cfg.trainer.strategy, "choose auto, ddp, fsdp or ddp_spawn")
     from tools.guards import refuse_multirun_ddp

@@ -10,7 +10,8 @@ cannot see this repository's model; this wrapper imports ``evaluation.lm`` (regi
 
 One extra option, ``--data_dir <folder in the layout of shared/evaldata>``, writes the local (offline) task
 definitions for the requested tasks (evaluation/local_tasks.py) and passes their folder as ``--include_path``; the
-local tasks then replace the hub ones of the same name.
+local tasks then replace the hub ones of the same name. ``--num_fewshot k > 0`` is refused for a local task without
+a non-test split (lm-eval would take its examples from the test split it scores).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     data_dir = _pop_option(argv, "--data_dir")
     if data_dir is not None:
-        from evaluation.local_tasks import KNOWN_TASKS, write_local_tasks
+        from evaluation.local_tasks import KNOWN_TASKS, check_fewshot, write_local_tasks
         from evaluation.runner import default_task_dir
 
         if "--include_path" in argv or any(a.startswith("--include_path=") for a in argv):
@@ -55,6 +56,11 @@ def main(argv: list[str] | None = None):
         wanted = [t for t in _requested_tasks(argv) if t in KNOWN_TASKS] or list(KNOWN_TASKS)
         task_dir = default_task_dir(data_dir)
         local = write_local_tasks(data_dir, wanted, task_dir, cache_dir=task_dir / "hf_datasets")
+        shots = _pop_option(list(argv), "--num_fewshot") or _pop_option(list(argv), "-f")  # read, left in argv
+        try:
+            check_fewshot(local, _requested_tasks(argv), shots, "--num_fewshot")
+        except ValueError as err:  # a model.config.ConfigError, or a --num_fewshot that is not a number
+            sys.exit(f"error: {err}")
         for name, why in local.missing.items():
             print(f"sa-lm: {name} is not available locally ({why}); lm-eval will try the HF hub", file=sys.stderr)
         argv += ["--include_path", str(local.task_dir)]

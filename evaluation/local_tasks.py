@@ -19,11 +19,15 @@ so prompts, choices, targets, process_docs/process_results and metrics are lm-ev
     piqa/valid.jsonl + valid-labels.lst          piqa
     hellaswag/hellaswag_val_full.txt.bz2         hellaswag        (6 lines per item; see hellaswag_docs)
     winogrande/winogrande.jsonl                  winogrande       (llm-foundry partial-scoring layout)
-    arc/ARC-{Easy,Challenge}-Test.jsonl          arc_easy, arc_challenge
+    arc/ARC-{Easy,Challenge}-Test.jsonl          arc_easy, arc_challenge (+ -Dev.jsonl: few-shot examples)
     boolq/val.jsonl                              boolq            (SuperGLUE layout)
     openbookqa/test.tsv (or openbook_qa.jsonl)   openbookqa
     siqa/dev.jsonl (+ dev-labels.lst)            social_iqa
     mmlu/test/<subject>_test.csv (+ dev/)        mmlu             (header, 0-3 answer; 57 subject tasks + groups)
+
+Few-shot examples come from a non-test file when the layout has one (ARC's Dev, MMLU's dev/); a task without one
+is listed in ``LocalTasks.no_fewshot`` and ``check_fewshot`` refuses ``num_fewshot > 0`` for it, since lm-eval would
+otherwise draw the examples from the very split it scores.
 
 ``python -m evaluation.local_tasks --data_dir /path/to/evaldata --out /tmp/sa_tasks`` writes a task folder for
 ``--include_path`` of the lm-eval CLI (see evaluation/lm_eval_cli.py).
@@ -195,6 +199,8 @@ class Spec:
     sources: tuple[str, ...]  # files under data_dir; the first existing alternative group wins
     docs: Callable[[Path], list[dict]]
     alternatives: tuple[tuple[str, ...], ...] = field(default_factory=tuple)
+    optional: tuple[str, ...] = ()  # files `docs` also reads when present: part of the cache fingerprint
+    fewshot: tuple[str, Callable[[Path], list[dict]]] | None = None  # a non-test file and its converter
 
     def source_files(self, data_dir: Path) -> list[Path] | None:
         for group in (self.sources, *self.alternatives):
@@ -218,13 +224,16 @@ SPECS: dict[str, Spec] = {
     "winogrande": Spec("winogrande/default.yaml", ("winogrande/winogrande.jsonl",),
                        lambda d: winogrande_docs(_jsonl(d / "winogrande/winogrande.jsonl"))),
     "arc_easy": Spec("arc/arc_easy.yaml", ("arc/ARC-Easy-Test.jsonl",),
-                     lambda d: arc_docs(_jsonl(d / "arc/ARC-Easy-Test.jsonl"))),
+                     lambda d: arc_docs(_jsonl(d / "arc/ARC-Easy-Test.jsonl")),
+                     fewshot=("arc/ARC-Easy-Dev.jsonl", lambda p: arc_docs(_jsonl(p)))),
     "arc_challenge": Spec("arc/arc_challenge.yaml", ("arc/ARC-Challenge-Test.jsonl",),
-                          lambda d: arc_docs(_jsonl(d / "arc/ARC-Challenge-Test.jsonl"))),
+                          lambda d: arc_docs(_jsonl(d / "arc/ARC-Challenge-Test.jsonl")),
+                          fewshot=("arc/ARC-Challenge-Dev.jsonl", lambda p: arc_docs(_jsonl(p)))),
     "boolq": Spec("super_glue/boolq/default.yaml", ("boolq/val.jsonl",), lambda d: boolq_docs(d / "boolq/val.jsonl")),
     "openbookqa": Spec("openbookqa/openbookqa.yaml", ("openbookqa/test.tsv",),
                        lambda d: openbookqa_docs(d / "openbookqa"), alternatives=(("openbookqa/openbook_qa.jsonl",),)),
-    "social_iqa": Spec("siqa/siqa.yaml", ("siqa/dev.jsonl",), lambda d: siqa_docs(d / "siqa")),
+    "social_iqa": Spec("siqa/siqa.yaml", ("siqa/dev.jsonl",), lambda d: siqa_docs(d / "siqa"),
+                       optional=("siqa/dev-labels.lst",)),
 }
 KNOWN_TASKS = (*SPECS, "mmlu")
 
@@ -235,6 +244,19 @@ class LocalTasks:
     available: dict[str, Path]  # task (or group) name -> its YAML
     missing: dict[str, str]  # task name -> why it is not available locally
     notes: list[str]
+    no_fewshot: list[str] = field(default_factory=list)  # local task / group names without a non-test split
+
+
+def check_fewshot(local: LocalTasks, tasks: Iterable[str], num_fewshot: int | None, key: str) -> None:
+    """Refuse few-shot prompts for local tasks that have only their test split: lm-eval would fill the prompt
+    with questions of the very split it scores."""
+    from model.config import ConfigError
+
+    shots, refused = int(num_fewshot or 0), [t for t in tasks if t in local.no_fewshot]
+    if shots > 0 and refused:
+        raise ConfigError(key, shots, f"local task(s) {', '.join(refused)} have no non-test split to draw "
+                          "few-shot examples from (only ARC's *-Dev.jsonl and MMLU's dev/ are such files); "
+                          "use 0 shots, or the hub tasks (no data_dir)")
 
 
 def _write_jsonl(path: Path, docs: list[dict]):
@@ -258,16 +280,17 @@ def _task_yaml(name: str, official: Path, data_files: dict[str, str], cache_dir:
             "fewshot_split": None, **extra}
 
 
-def _write_mmlu(data_dir: Path, task_dir: Path, cache_dir: Path | None) -> tuple[Path | None, str]:
+def _write_mmlu(data_dir: Path, task_dir: Path, cache_dir: Path | None) -> tuple[Path | None, str, list[str]]:
     official_dir = official_tasks_dir() / "mmlu" / "default"
     test_dir, dev_dir = data_dir / "mmlu" / "test", data_dir / "mmlu" / "dev"
     subjects = sorted(p.name.removeprefix("mmlu_").removesuffix(".yaml") for p in official_dir.glob("mmlu_*.yaml"))
     present = [s for s in subjects if (test_dir / f"{s}_test.csv").is_file()]
     if not present:
-        return None, f"no {test_dir}/<subject>_test.csv"
+        return None, f"no {test_dir}/<subject>_test.csv", []
     out = task_dir / "mmlu"
     out.mkdir(parents=True, exist_ok=True)
     tags: dict[str, list[str]] = {}
+    no_fewshot: list[str] = []
     for subject in present:
         data = task_dir / "data" / "mmlu" / f"{subject}.jsonl"
         _write_jsonl(data, mmlu_rows(test_dir / f"{subject}_test.csv", subject))
@@ -285,6 +308,8 @@ def _write_mmlu(data_dir: Path, task_dir: Path, cache_dir: Path | None) -> tuple
         _write_yaml(out / f"mmlu_{subject}.yaml", config)
         tag = yaml.safe_load(official.read_text())["tag"]
         tags.setdefault(tag, []).append(subject)
+        if "fewshot_split" not in extra:
+            no_fewshot += [f"mmlu_{subject}", tag]
     groups = []
     for group_file in sorted(official_dir.glob("_mmlu_*.yaml")):
         group = yaml.safe_load(group_file.read_text())
@@ -292,11 +317,13 @@ def _write_mmlu(data_dir: Path, task_dir: Path, cache_dir: Path | None) -> tuple
         if group["task"]:
             _write_yaml(out / group_file.name, group)
             groups.append(group["group"])
+            if set(group["task"]) & set(no_fewshot):
+                no_fewshot.append(group["group"])
     top = yaml.safe_load((official_dir / "_mmlu.yaml").read_text())
     top["task"] = [g for g in top["task"] if g in groups]
     _write_yaml(out / "_mmlu.yaml", top)
     note = "" if len(present) == len(subjects) else f"mmlu: {len(present)}/{len(subjects)} subjects found in {test_dir}"
-    return out / "_mmlu.yaml", note
+    return out / "_mmlu.yaml", note, [*dict.fromkeys(no_fewshot), *(["mmlu"] if no_fewshot else [])]
 
 
 def _fingerprint(data_dir: Path, files: list[Path]) -> str:
@@ -320,11 +347,12 @@ def write_local_tasks(data_dir: str | Path, tasks: Iterable[str], task_dir: str 
     result = LocalTasks(task_dir, {}, {}, [])
     for name in tasks:
         if name == "mmlu":
-            yaml_path, note = _write_mmlu(data_dir, task_dir, cache_dir)
+            yaml_path, note, no_fewshot = _write_mmlu(data_dir, task_dir, cache_dir)
             if yaml_path is None:
                 result.missing[name] = note
             else:
                 result.available[name] = yaml_path
+                result.no_fewshot += no_fewshot
                 if note:
                     result.notes.append(note)
             continue
@@ -336,18 +364,29 @@ def write_local_tasks(data_dir: str | Path, tasks: Iterable[str], task_dir: str 
             wanted = " or ".join("+".join(group) for group in (spec.sources, *spec.alternatives))
             result.missing[name] = f"no {wanted} under {data_dir}"
             continue
-        data = task_dir / "data" / f"{name}.jsonl"
+        data, dev = task_dir / "data" / f"{name}.jsonl", task_dir / "data" / f"{name}.dev.jsonl"
+        fewshot = data_dir / spec.fewshot[0] if spec.fewshot else None
+        fewshot = fewshot if fewshot is not None and fewshot.is_file() else None
+        optional = [p for p in (data_dir / f for f in spec.optional) if p.is_file()]
         stamp = data.with_suffix(".fingerprint")
-        fingerprint = _fingerprint(data_dir, sources)
-        if not (data.is_file() and stamp.is_file() and stamp.read_text() == fingerprint):
+        fingerprint = _fingerprint(data_dir, sources + optional + ([fewshot] if fewshot else []))
+        if not (data.is_file() and stamp.is_file() and stamp.read_text() == fingerprint
+                and (fewshot is None or dev.is_file())):
             docs = spec.docs(data_dir)
             if not docs:
                 result.missing[name] = f"{', '.join(map(str, sources))} holds no examples"
                 continue
             _write_jsonl(data, docs)
+            if fewshot is not None:
+                _write_jsonl(dev, spec.fewshot[1](fewshot))
             atomic_write_text(stamp, fingerprint)
+        files, extra = {SPLIT: str(data)}, {}
+        if fewshot is not None:  # the official tasks sample from `train`, which the local layout does not have
+            files["dev"], extra["fewshot_split"] = str(dev), "dev"
+        else:
+            result.no_fewshot.append(name)
         yaml_path = task_dir / f"{name}.yaml"
-        _write_yaml(yaml_path, _task_yaml(name, official / spec.official, {SPLIT: str(data)}, cache_dir))
+        _write_yaml(yaml_path, _task_yaml(name, official / spec.official, files, cache_dir, **extra))
         result.available[name] = yaml_path
     return result
 

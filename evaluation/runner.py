@@ -23,7 +23,7 @@ from data.shards import atomic_write_text
 ROOT = Path(__file__).resolve().parents[1]
 STOCHASTIC_KINDS = ("sa", "gated_sa_swa")  # attention whose eval scores depend on the permutation seed
 DEFAULTS = {"name": "custom", "tasks": ["wikitext", "lambada_openai"], "data_dir": None, "batch_size": 16,
-            "limit": None, "num_seeds": 1, "device": "auto", "dtype": "float32", "max_length": None,
+            "limit": None, "num_seeds": 1, "device": "auto", "dtype": None, "max_length": None,
             "bootstrap_iters": 1000, "task_dir": None, "after_train": False}
 
 
@@ -34,6 +34,47 @@ def default_task_dir(data_dir: str | Path) -> Path:
     root = Path(os.environ.get("SA_CACHE_DIR") or ROOT / ".cache")
     key = hashlib.sha1(str(Path(data_dir).resolve()).encode()).hexdigest()[:12]
     return root / "eval_tasks" / key
+
+
+def task_names(tasks) -> list[str]:
+    """eval.tasks as a list of names; a string (`eval.tasks=wikitext` on the command line) is comma-separated."""
+    from model.config import ConfigError
+
+    names = [str(t).strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks or [])]
+    if not names or not all(names):
+        raise ConfigError("eval.tasks", tasks, "give task names, e.g. [wikitext,lambada_openai] or wikitext,piqa")
+    return names
+
+
+def check_task_names(tasks) -> list[str]:
+    """eval.tasks as names, each a local task or one of lm-eval's (whose index, ~14 s, is read only when a name is
+    not local): for train.py to refuse a misspelled suite before training rather than after it."""
+    from evaluation.local_tasks import KNOWN_TASKS
+
+    names = task_names(tasks)
+    if any(name not in KNOWN_TASKS for name in names):
+        from lm_eval.tasks import TaskManager
+
+        _refuse_unknown(names, TaskManager())
+    return names
+
+
+def _refuse_unknown(tasks: list[str], task_manager) -> None:
+    """A misspelled name is a config error, not a task whose data could not be found."""
+    import difflib
+
+    from evaluation.local_tasks import KNOWN_TASKS
+    from model.config import ConfigError
+
+    known = [*KNOWN_TASKS, *task_manager.all_tasks]
+    lookup = set(known)
+    problems = []
+    for name in (t for t in tasks if t not in lookup):
+        close = difflib.get_close_matches(name, known, n=1)
+        problems.append(f"unknown task {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+    if problems:
+        raise ConfigError("eval.tasks", tasks, "; ".join(problems) + f" (local tasks: {', '.join(KNOWN_TASKS)}; "
+                          "`lm-eval ls tasks` lists lm-eval's)")
 
 
 @dataclass
@@ -86,15 +127,17 @@ def official_dirs(tasks: list[str]) -> list[Path] | None:
     return list(dict.fromkeys(dirs))
 
 
-def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Path | None = None) -> TaskPlan:
+def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Path | None = None,
+               num_fewshot: int | None = None) -> TaskPlan:
     """Decide where each task's data comes from; build the TaskManager lm-eval will use.
 
     Hub tasks keep their official definitions; indexing only their folders (not all ~14k built-in tasks, ~14 s)
     when every task is one we know. Local task folders come last in include_path, so they win name clashes.
+    Raises ConfigError for an unknown task name, or for num_fewshot > 0 on a local task that only has a test split.
     """
     from lm_eval.tasks import TaskManager
 
-    from evaluation.local_tasks import KNOWN_TASKS, write_local_tasks
+    from evaluation.local_tasks import KNOWN_TASKS, check_fewshot, write_local_tasks
 
     plan = TaskPlan(run=[], source={})
     local = None
@@ -102,6 +145,7 @@ def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Pa
         task_dir = Path(task_dir) if task_dir else default_task_dir(data_dir)
         local = write_local_tasks(data_dir, [t for t in tasks if t in KNOWN_TASKS], task_dir,
                                   cache_dir=task_dir / "hf_datasets")
+        check_fewshot(local, tasks, num_fewshot, "num_fewshot")
         plan.notes += local.notes
         for name, yaml_path in local.available.items():
             plan.source[name] = f"local:{yaml_path}"
@@ -113,6 +157,8 @@ def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Pa
         dirs = official_dirs(hub)
         plan.task_manager = TaskManager(include_path=[*map(str, dirs or []), *local_dirs] or None,
                                         include_defaults=dirs is None)
+        if dirs is None:  # some name is not one of ours: only lm-eval's full index can tell a typo
+            _refuse_unknown(hub, plan.task_manager)
         offline = _hub_offline()
         for name in hub:
             here = local.missing.get(name) if local is not None else "eval.data_dir is not set"
@@ -145,6 +191,7 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
     eval_cfg keys: tasks, data_dir, batch_size, limit, num_seeds, device (and optionally dtype, max_length,
     bootstrap_iters, task_dir, name). attention_overrides: kind / window / backend / eval_seed for the rebuilt model.
     `loaded` (a model.checkpoint.LoadedModel) skips loading `ckpt` again. Returns a summary dict (see the JSON).
+    An unknown task name raises model.config.ConfigError (key eval.tasks) before the model loads.
     """
     import lm_eval
 
@@ -153,13 +200,14 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     cfg = {**DEFAULTS, **{k: v for k, v in dict(eval_cfg or {}).items()}}
-    tasks = list(cfg["tasks"])
+    tasks = task_names(cfg["tasks"])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
+    plan = plan_tasks(tasks, cfg["data_dir"], cfg["task_dir"])  # before the model loads: it refuses bad names
 
     overrides = {k: v for k, v in dict(attention_overrides or {}).items() if v is not None}
-    lm_kwargs = dict(batch_size=int(cfg["batch_size"]), device=cfg["device"], dtype=cfg["dtype"],
+    lm_kwargs = dict(batch_size=int(cfg["batch_size"]), device=cfg["device"], dtype=cfg["dtype"] or "float32",
                      max_length=cfg["max_length"])
     if loaded is not None and overrides:
         raise ValueError("attention_overrides apply when the checkpoint is loaded here; pass loaded=None")
@@ -180,7 +228,6 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         num_seeds = 1
     seeds = [lm.eval_seed + k for k in range(num_seeds)]
 
-    plan = plan_tasks(tasks, cfg["data_dir"], cfg["task_dir"])
     notes += plan.notes
     for note in notes:
         log(f"eval: {note}")

@@ -94,18 +94,20 @@ def make_lm(model, tokenizer, batch_size=8, max_length: int | None = None, pad_s
     return PrefillHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
 
 
-def _task_setup(tasks, data_dir, task_manager):
+def _task_setup(tasks, data_dir, task_manager, task_dir=None, num_fewshot=None):
     """(task list for lm-eval, TaskManager, skipped {task: why})."""
     from lm_eval.tasks import TaskManager
 
-    tasks = list(tasks)
+    from evaluation.runner import task_names
+
+    tasks = task_names(tasks) if isinstance(tasks, str) else list(tasks)
     if task_manager is not None:
         return tasks, task_manager, {}
     names = [t for t in tasks if isinstance(t, str)]
     if data_dir is not None and names:
         from evaluation.runner import plan_tasks  # offline task definitions of this repository (eval.data_dir)
 
-        plan = plan_tasks(names, data_dir)
+        plan = plan_tasks(names, data_dir, task_dir, num_fewshot=num_fewshot)
         for note in plan.notes:
             log.info("eval: %s", note)
         return plan.run + [t for t in tasks if not isinstance(t, str)], plan.task_manager, plan.skipped
@@ -115,14 +117,15 @@ def _task_setup(tasks, data_dir, task_manager):
 
 def evaluate_hf(model_name_or_path, kind: str, window: int | None, tasks_or_task_dicts, batch_size=8, limit=None,
                 device: str | None = "auto", seed: int = 0, *, dtype="auto", backend: str = "auto",
-                moba_top_k: int = 2, data_dir=None, task_manager=None, max_length: int | None = None,
+                moba_top_k: int = 2, data_dir=None, task_dir=None, task_manager=None, max_length: int | None = None,
                 num_fewshot: int | None = None, bootstrap_iters: int = 1000, model=None, tokenizer=None,
                 log_samples: bool = False) -> dict:
     """Run lm-eval's HFLM on `model_name_or_path` with `kind` (full|swa|sa|moba) at w_eff=`window` during prefill.
 
-    tasks_or_task_dicts: lm-eval task names and/or task config dicts. data_dir: a folder in the layout of
-    shared/evaldata (task names are then served offline through evaluation.runner.plan_tasks); task_manager: an
-    explicit lm_eval TaskManager instead. model / tokenizer: an already loaded model (re-patched here) to skip
+    tasks_or_task_dicts: lm-eval task names (a string: comma-separated) and/or task config dicts. data_dir: a folder
+    in the layout of shared/evaldata (task names are then served offline through evaluation.runner.plan_tasks, which
+    converts them into task_dir, default evaluation.runner.default_task_dir); task_manager: an explicit lm_eval
+    TaskManager instead. model / tokenizer: an already loaded model (re-patched here) to skip
     loading. Returns lm-eval's results dict (without per-sample logs unless log_samples) plus
     "sa_prefill" (the settings), "model", "skipped" and "seconds".
     """
@@ -131,6 +134,7 @@ def evaluate_hf(model_name_or_path, kind: str, window: int | None, tasks_or_task
     from hf.patch import load_hf_model, patch_model
 
     started = time.time()
+    run, manager, skipped = _task_setup(tasks_or_task_dicts, data_dir, task_manager, task_dir, num_fewshot)
     if model is None:
         model, tokenizer = load_hf_model(model_name_or_path, kind, window, seed=seed, backend=backend, dtype=dtype,
                                          device=device, moba_top_k=moba_top_k)
@@ -138,7 +142,6 @@ def evaluate_hf(model_name_or_path, kind: str, window: int | None, tasks_or_task
         if tokenizer is None:
             raise ValueError("evaluate_hf(model=...) needs tokenizer= too")
         patch_model(model.eval(), kind, window, seed=seed, backend=backend, moba_top_k=moba_top_k)
-    run, manager, skipped = _task_setup(tasks_or_task_dicts, data_dir, task_manager)
     for task, why in skipped.items():
         log.warning("eval: skipping %s (%s)", task, why)
     pad_state = _PadLengths()

@@ -81,6 +81,7 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("attention.window=true", "attention.window"),
         ("attention.eval_seed=first", "attention.eval_seed"),
         ("attention.per_sequence_perm=1", "attention.per_sequence_perm"),
+        ("eval.after_train=true eval.tasks=[wikitext,hellaswg]", "eval.tasks"),  # before training, not after
         *([("attention.backend=flex", "attention.backend"), ("trainer.precision=16-mixed", "trainer.precision")]
           if not torch.cuda.is_available() else []),  # no FlexAttention backward, no fp16 autocast on the CPU
         *([("trainer=ddp", "trainer.accelerator")] if not torch.cuda.is_available() else []),  # a GPU preset on CPU

@@ -148,6 +148,13 @@ def wiki_articles(n: int, seed: int = 1) -> list[list[str]]:
     return articles
 
 
+def arc_rows(docs: list[dict]) -> list[dict]:
+    """allenai/ai2_arc documents in the ARC-V1 jsonl layout of shared/evaldata/arc."""
+    return [{"id": d["id"], "question": {"stem": d["question"], "choices": [
+        {"text": t, "label": lab} for t, lab in zip(d["choices"]["text"], d["choices"]["label"])]},
+        "answerKey": d["answerKey"]} for d in docs]
+
+
 def write_evaldata(folder: Path, truth: dict[str, list[dict]], articles: list[list[str]]) -> Path:
     """The truth documents written in the local formats of shared/evaldata (see its README / SOURCE.md files)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -177,9 +184,7 @@ def write_evaldata(folder: Path, truth: dict[str, list[dict]], articles: list[li
     jsonl(folder / "winogrande" / "winogrande.jsonl", wino)
     lines(folder / "winogrande" / "dev-labels.lst", [d["answer"] for d in truth["winogrande"]])
     for task, name in (("arc_easy", "ARC-Easy-Test.jsonl"), ("arc_challenge", "ARC-Challenge-Test.jsonl")):
-        jsonl(folder / "arc" / name, [{"id": d["id"], "question": {"stem": d["question"], "choices": [
-            {"text": t, "label": lab} for t, lab in zip(d["choices"]["text"], d["choices"]["label"])]},
-            "answerKey": d["answerKey"]} for d in truth[task]])
+        jsonl(folder / "arc" / name, arc_rows(truth[task]))
     jsonl(folder / "boolq" / "val.jsonl", [{"question": d["question"], "passage": d["passage"], "idx": d["idx"],
                                             "label": "true" if d["label"] else "false"} for d in truth["boolq"]])
     (folder / "openbookqa").mkdir(exist_ok=True)
@@ -465,6 +470,49 @@ def test_every_local_task_scores_a_few_examples(salm, evaldata, tmp_path):
     assert results["n-samples"]["piqa"]["effective"] == 3
 
 
+def test_local_few_shot_examples_come_from_a_dev_file_never_from_the_test_split(evaldata, tmp_path):
+    import shutil
+
+    from lm_eval.tasks import TaskManager
+
+    from evaluation.local_tasks import write_local_tasks
+
+    folder = shutil.copytree(evaldata[0], tmp_path / "evaldata")
+    dev = make_truth(seed=9)["arc_easy"]
+    (folder / "arc" / "ARC-Easy-Dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in arc_rows(dev)))
+    local = write_local_tasks(folder, ["arc_easy", "arc_challenge", "piqa"], tmp_path / "tasks",
+                              cache_dir=tmp_path / "hf")
+    task = TaskManager(include_path=str(local.task_dir), include_defaults=False).load(["arc_easy"])["tasks"]["arc_easy"]
+    task.set_config(key="num_fewshot", value=3)
+    task.build_all_requests(limit=None, rank=0, world_size=1)
+    dev_questions = {d["question"] for d in dev}
+    for inst in task.instances:
+        *shots, _ = inst.args[0].split("\n\n")  # "Question: <q>\nAnswer: <a>" blocks, then the scored question
+        assert len(shots) == 3 and {shot.split("\n")[0].removeprefix("Question: ") for shot in shots} <= dev_questions
+    assert local.no_fewshot == ["arc_challenge", "piqa"]  # no ARC-Challenge-Dev.jsonl here
+
+
+def test_siqa_conversion_follows_its_labels_file(evaldata, tmp_path):
+    import shutil
+
+    from evaluation.local_tasks import write_local_tasks
+
+    folder = tmp_path / "evaldata"
+    shutil.copytree(evaldata[0] / "siqa", folder / "siqa")
+    labels = folder / "siqa" / "dev-labels.lst"
+
+    def converted() -> list[str]:
+        local = write_local_tasks(folder, ["social_iqa"], tmp_path / "tasks")
+        return [json.loads(line)["label"] for line in (local.task_dir / "data" / "social_iqa.jsonl").open()]
+
+    before = converted()
+    after = [str(1 + int(label) % 3) for label in before]
+    mtime = labels.stat().st_mtime_ns + 10**9  # a later edit, whatever the granularity of the file clock
+    labels.write_text("".join(f"{label}\n" for label in after))  # same size: only the mtime tells
+    os.utime(labels, ns=(mtime, mtime))
+    assert converted() == after != before
+
+
 def _local_lm_eval(salm, folder: Path, tasks: list[str], tmp_path: Path, limit=None) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -556,6 +604,7 @@ def test_local_tasks_on_the_real_evaldata(loaded, tmp_path):
     local = write_local_tasks(folder, ALL_TASKS, tmp_path / "tasks", cache_dir=tmp_path / "hf")
     present = [t for t in ALL_TASKS if t in local.available]
     assert set(ALL_TASKS) - set(present) <= {"lambada_standard"}, local.missing  # lambada_standard: not in the copy
+    assert {"arc_easy", "arc_challenge", "mmlu"}.isdisjoint(local.no_fewshot)  # few-shot from ARC's Dev, MMLU's dev
     tm = TaskManager(include_path=str(local.task_dir), include_defaults=False)
     lm = SALM(loaded=loaded, batch_size=32, device="cpu")
     results = lm_eval.simple_evaluate(model=lm, tasks=present, task_manager=tm, limit=20, bootstrap_iters=0)
@@ -614,6 +663,29 @@ def test_unreachable_data_is_one_line_and_not_an_error(tiny_ckpt, evaldata, tmp_
     # No data at all: still no exception, an empty result.
     nothing = evaluate_checkpoint(tiny_ckpt, {"tasks": ["piqa"], "data_dir": None}, None, tmp_path / "none")
     assert nothing["results"] == [] and "piqa" in nothing["skipped"]
+
+
+def test_a_task_string_is_a_comma_separated_list(loaded, evaldata, tmp_path):
+    """eval.tasks=lambada_openai on the command line arrives as a string, not as a list of its letters."""
+    from evaluation import evaluate_checkpoint
+
+    cfg = {"tasks": "lambada_openai, piqa", "data_dir": str(evaldata[0]), "limit": 2, "device": "cpu",
+           "task_dir": str(tmp_path / "tasks")}
+    summary = evaluate_checkpoint(None, cfg, None, tmp_path / "out", loaded=loaded)
+    assert set(summary["by_task"]) == {"lambada_openai", "piqa"} and not summary["skipped"]
+
+
+def test_a_misspelled_task_is_refused_before_the_model_loads(evaldata, tmp_path):
+    from evaluation import evaluate_checkpoint
+    from evaluation.runner import plan_tasks
+    from model.config import ConfigError
+
+    cfg = {"tasks": ["hellaswg", "piqa"], "data_dir": str(evaldata[0]), "task_dir": str(tmp_path / "tasks")}
+    with pytest.raises(ConfigError, match=r"unknown task 'hellaswg'; did you mean 'hellaswag'\?") as err:
+        evaluate_checkpoint(tmp_path / "no.ckpt", cfg, None, tmp_path / "out")  # no checkpoint: it never loads
+    assert err.value.key == "eval.tasks"
+    # Names that are all local ones need no index of lm-eval's ~14k tasks (~14 s).
+    assert len(plan_tasks(["hellaswag", "piqa"], evaldata[0], tmp_path / "tasks").task_manager.all_tasks) < 5
 
 
 def _run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -681,3 +753,12 @@ def test_lm_eval_cli_runs_sa_lm_on_a_local_task(tiny_ckpt, evaldata, tmp_path):
     assert "lambada_openai" in proc.stdout and "perplexity" in proc.stdout
     [saved] = list((tmp_path / "out").rglob("results_*.json"))
     assert "acc,none" in json.loads(saved.read_text())["results"]["lambada_openai"]
+
+
+def test_lm_eval_cli_refuses_few_shot_examples_from_a_test_split(tiny_ckpt, evaldata, tmp_path, monkeypatch):
+    monkeypatch.setenv("SA_CACHE_DIR", str(tmp_path / "cache"))
+    proc = _run(["-m", "evaluation.lm_eval_cli", "--model", "sa-lm", "--model_args", f"checkpoint={tiny_ckpt}",
+                 "--tasks", "lambada_openai,piqa", "--data_dir", str(evaldata[0]), "--num_fewshot", "2",
+                 "--limit", "1", "--batch_size", "2"], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "--num_fewshot=2" in proc.stderr and "lambada_openai, piqa have no non-test split" in proc.stderr

@@ -380,3 +380,69 @@ def test_evaluate_py_fails_when_every_task_of_an_hf_run_is_skipped(saved_model, 
     assert res.returncode == 1 and "nothing was evaluated" in res.stderr, res.stderr[-3000:]
     skipped = json.loads((tmp_path / "out" / "results.json").read_text())["skipped"]
     assert {"wikitext", "lambada_openai"} <= set(skipped)
+
+
+def _evaldata(tmp_path):
+    from test_evaluation import make_truth, wiki_articles, write_evaldata
+
+    return write_evaldata(tmp_path / "evaldata", make_truth(), wiki_articles(2))
+
+
+def _eval_cfg(overrides: list[str]) -> dict:
+    """The eval section of conf/evaluate.yaml, composed as the command line would (conf/eval/quick.yaml defaults)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from conftest import ROOT
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        return OmegaConf.to_container(compose(config_name="evaluate", overrides=overrides).eval, resolve=True)
+
+
+def _evaluate_hf_model(*args):
+    """evaluate.py's model.hf branch, in this process (`import evaluate` would find the HF `evaluate` package)."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("evaluate_py", ROOT / "evaluate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.evaluate_hf_model(*args)
+
+
+def test_evaluate_py_hf_uses_eval_task_dir_and_the_models_own_dtype(saved_model, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("SA_CACHE_DIR", str(tmp_path / "default_cache"))
+    folder = tmp_path / "bf16_model"  # saved in bf16, as most hub LLMs are
+    AutoModelForCausalLM.from_pretrained(saved_model[0], dtype=torch.bfloat16).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(saved_model[0]).save_pretrained(folder)
+    common = [f"model.hf={folder}", "eval.tasks=[lambada_openai]", f"eval.data_dir={_evaldata(tmp_path)}",
+              "eval.limit=2", "eval.device=cpu", f"eval.task_dir={tmp_path / 'tasks'}"]
+    _evaluate_hf_model(str(folder), _eval_cfg(common), {}, tmp_path / "auto")
+    assert (tmp_path / "tasks" / "lambada_openai.yaml").is_file() and not (tmp_path / "default_cache").exists()
+    assert json.loads((tmp_path / "auto" / "results.json").read_text())["dtype"] == "bfloat16"
+    _evaluate_hf_model(str(folder), _eval_cfg(common + ["eval.dtype=float32"]), {}, tmp_path / "fp32")
+    assert json.loads((tmp_path / "fp32" / "results.json").read_text())["dtype"] == "float32"
+
+
+def test_evaluate_py_hf_table_has_a_column_per_suite_task_not_per_subject(saved_model, tmp_path):
+    cfg = _eval_cfg([f"model.hf={saved_model[0]}", "eval.tasks=[mmlu]", f"eval.data_dir={_evaldata(tmp_path)}",
+                     "eval.limit=1", "eval.device=cpu", f"eval.task_dir={tmp_path / 'tasks'}"])
+    _evaluate_hf_model(str(saved_model[0]), cfg, {}, tmp_path / "out")
+    assert (tmp_path / "out" / "results.md").read_text().splitlines()[0] == "| model | attention | w_eff | mmlu |"
+    assert "mmlu_anatomy" in json.loads((tmp_path / "out" / "results.json").read_text())["scores_per_seed"][0]
+
+
+def test_evaluate_hf_refuses_few_shot_examples_from_a_test_split(saved_model, tmp_path, monkeypatch):
+    from hf.lm_eval_runner import evaluate_hf
+    from model.config import ConfigError
+
+    monkeypatch.setenv("SA_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match="piqa have no non-test split") as err:
+        evaluate_hf(str(saved_model[0]), "full", None, ["piqa"], data_dir=_evaldata(tmp_path), num_fewshot=2,
+                    limit=1, device="cpu", dtype="float32", bootstrap_iters=0)
+    assert err.value.key == "num_fewshot"
