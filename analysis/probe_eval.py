@@ -175,9 +175,10 @@ def bucketize(distances: np.ndarray, correct: np.ndarray, buckets: int, reach: f
 
 
 def _accuracy(correct: np.ndarray) -> dict:
-    """{"acc": mean over seeds and prompts, "acc_std": spread of the per-seed accuracies (0 for one seed)}."""
+    """{"acc": mean over seeds and prompts, "acc_std": sample standard deviation of the per-seed accuracies (as the
+    evaluation suites and tools.compare report; 0 for one seed)}."""
     per_seed = correct.mean(axis=1)
-    return {"acc": float(per_seed.mean()), "acc_std": float(per_seed.std())}
+    return {"acc": float(per_seed.mean()), "acc_std": float(per_seed.std(ddof=1)) if len(per_seed) > 1 else 0.0}
 
 
 def evaluate(given: dict, attention: dict | None = None, log=print) -> dict:
@@ -214,8 +215,9 @@ def evaluate(given: dict, attention: dict | None = None, log=print) -> dict:
     # an SWA stack of its depth and (configured) window would have, so its row lines up with the others.
     reach = mcfg.n_layers * (acfg.window - 1)
     tasks = [t for t in str(cfg["task"]).split(",") if t]
-    summary = {"suite": "probes", "checkpoint": str(ckpt), "attention": {"kind": acfg.kind, "window": acfg.window,
-               "eval_seeds": seeds}, "context": context, "swa_reach": reach,
+    summary = {"suite": "probes", "checkpoint": str(ckpt), **loaded.identity(),
+               "attention": {"kind": acfg.kind, "window": acfg.window, "eval_seeds": seeds},
+               "context": context, "swa_reach": reach,
                "settings": cfg, "results": [], "buckets": {}}
     for task in tasks:
         examples = build_examples(tok, task, int(cfg["num"]), context, int(cfg["seed"]), int(cfg["num_pairs"]),
@@ -241,7 +243,7 @@ def evaluate(given: dict, attention: dict | None = None, log=print) -> dict:
                 summary["results"].append({"task": f"probe_{task}", "metric": f"acc{metric}_seed_std",
                                            "value": stats["acc_std"], "n": len(seeds)})
         summary["buckets"][task] = bucketize(distances, correct, int(cfg["buckets"]), reach, answers)
-        spread = f" ± {correct.mean(axis=1).std():.3f} over {len(seeds)} eval seeds" if len(seeds) > 1 else ""
+        spread = f" ± {_accuracy(correct)['acc_std']:.3f} over {len(seeds)} eval seeds" if len(seeds) > 1 else ""
         log(f"probe {task}: {correct.mean():.3f}{spread} over {correct.shape[1]} examples "
             f"(constant guess {constant_guess(answers):.3f})")
     summary["seconds"] = round(time.time() - started, 1)
@@ -269,6 +271,21 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def default_folder(summary: dict) -> str:
+    """eval/<this>: "probes" for the final checkpoint at its trained attention, else named by what differs (the
+    checkpoint, the attention, the seeds), so scoring step 280 or another window never overwrites the final result."""
+    parts = ["probes"]
+    if Path(summary["checkpoint"]).name != "last.ckpt":
+        parts.append(Path(summary["checkpoint"]).stem)
+    trained = (summary.get("trained_attention") or {})
+    for key in ("kind", "window"):
+        if key in trained and summary["attention"][key] != trained[key]:
+            parts.append(f"{key}{summary['attention'][key]}")
+    if len(summary["attention"]["eval_seeds"]) > 1:
+        parts.append(f"{len(summary['attention']['eval_seeds'])}seeds")
+    return "_".join(parts)
+
+
 def _cell(acc: float, std: float | None) -> str:
     return f"{acc:.3f}" if std is None else f"{acc:.3f} ± {std:.3f}"
 
@@ -284,7 +301,7 @@ def main(argv=None) -> int:
         out = Path(given["out"])
     else:
         run_dir = run_dir_of(Path(given["ckpt"]))
-        out = (run_dir / "eval" / "probes") if run_dir else Path("probe_eval")
+        out = (run_dir / "eval" / default_folder(summary)) if run_dir else Path("probe_eval")
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(summary)
     atomic_write_text(out / "results.json", json.dumps(summary, indent=1))

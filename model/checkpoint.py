@@ -24,6 +24,16 @@ class LoadedModel:
     checkpoint: Path
     hparams: dict
     loss_only_after: str | None = None  # the training objective (data.loss_only_after): None = every token
+    step: int | None = None  # the checkpoint's global step
+    mtime_ns: int | None = None  # the file's modification time when it was read
+
+    def identity(self) -> dict:
+        """What results.json records of the scored file: a later last.ckpt of a resumed run is another file, and
+        tools.runs leaves out the results of the earlier one. trained_attention: the config the weights were
+        trained with (results under another attention are reported apart)."""
+        trained = self.hparams.get("attention") or {}
+        return {"checkpoint_step": self.step, "checkpoint_mtime_ns": self.mtime_ns,
+                "trained_attention": {k: trained[k] for k in ("kind", "window") if k in trained}}
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -47,6 +57,7 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
     from data.tokenizer import eos_id
 
     ckpt_path = find_checkpoint(path)
+    mtime_ns = ckpt_path.stat().st_mtime_ns  # before reading: a run that rewrites it meanwhile makes it stale
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
     hp = ckpt["hyper_parameters"]
     attn = {**hp["attention"], **(attention or {})}
@@ -67,4 +78,5 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
     tokenizer = Tokenizer.from_str(ckpt["tokenizer"])
     tokenizer.encode_special_tokens = True  # text is text, as data.prepare encoded the training documents
     model.to(device).eval()
-    return LoadedModel(model, tokenizer, eos_id(tokenizer), ckpt_path, hp, ckpt.get("loss_only_after"))
+    return LoadedModel(model, tokenizer, eos_id(tokenizer), ckpt_path, hp, ckpt.get("loss_only_after"),
+                       ckpt.get("global_step"), mtime_ns)

@@ -178,6 +178,24 @@ def test_evals_of_the_final_checkpoint_only_newest_first(tmp_path, capsys):
     assert read_evals(run) == {"probe_needle/acc": 0.8} and "probes_again" in capsys.readouterr().err
 
 
+def test_evals_of_an_earlier_last_checkpoint_or_another_attention_are_not_the_runs(tmp_path, capsys):
+    """A run resumed in its own folder rewrites last.ckpt and keeps eval/: the shorter run's score was shown beside
+    the longer run's steps. A score at another window was pooled into the trained window's group."""
+    from tools.runs import load_run
+
+    run = _fake_run(tmp_path, "r", window=8)
+    now = (run / "checkpoints" / "last.ckpt").stat().st_mtime_ns
+    for folder, mtime, window, value in (("old", now - 1, 8, 0.25), ("final", now, 8, 0.5), ("wide", now, 64, 0.7),
+                                         ("legacy", None, 8, 0.5)):
+        (run / "eval" / folder).mkdir(parents=True)
+        (run / "eval" / folder / "results.json").write_text(json.dumps(
+            {"checkpoint": str(run / "checkpoints" / "last.ckpt"), "checkpoint_mtime_ns": mtime,
+             "attention": {"kind": "sa", "window": window},
+             "results": [{"task": "probe_needle", "metric": "acc", "value": value}]}))
+    assert load_run(run).evals == {"probe_needle/acc": 0.5, "probe_needle/acc [window=64]": 0.7}
+    assert "scored an earlier last.ckpt" in capsys.readouterr().err
+
+
 def test_steps_tokens_and_curves_of_runs_that_stop_between_log_rows(tmp_path):
     from tools.runs import load_run
 

@@ -199,7 +199,8 @@ def test_constant_guess_and_buckets_report_the_baseline_of_each_subset():
     correct = np.array([[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0]], dtype=bool)  # two eval seeds
     near, far = bucketize(distances, correct, buckets=1, reach=124, answers=answers)
     assert (near["n"], near["guess"], near["beyond_swa"]) == (3, pytest.approx(2 / 3), False)
-    assert near["acc"] == pytest.approx((2 / 3 + 1 / 3) / 2) and near["acc_std"] == pytest.approx(1 / 6)
+    # the sample standard deviation over seeds, as the evaluation suites and tools.compare report it
+    assert near["acc"] == pytest.approx((2 / 3 + 1 / 3) / 2) and near["acc_std"] == pytest.approx((1 / 3) / 2**0.5)
     assert (far["n"], far["guess"], far["acc"], far["beyond_swa"]) == (3, pytest.approx(1 / 3), 1 / 6, True)
 
 
@@ -255,3 +256,17 @@ def test_ranks_started_together_write_the_probes_file_once(tmp_path):
         mtime = path.stat().st_mtime_ns
     waiter.join(timeout=60)
     assert not waiter.is_alive() and path.stat().st_mtime_ns == mtime  # found after the wait and kept
+
+
+def test_probe_results_get_a_folder_of_their_own_unless_they_score_the_final_checkpoint():
+    """eval/probes is the final checkpoint's at its trained attention; scoring step 280 or another window wrote
+    there too, and the run's probe columns were taken from whichever ran last."""
+    from analysis.probe_eval import default_folder
+
+    def summary(ckpt="last.ckpt", window=8, seeds=(0,)):
+        return {"checkpoint": f"/r/checkpoints/{ckpt}", "trained_attention": {"kind": "sa", "window": 8},
+                "attention": {"kind": "sa", "window": window, "eval_seeds": list(seeds)}}
+
+    assert default_folder(summary()) == "probes"
+    assert default_folder(summary(ckpt="step0000280.ckpt")) == "probes_step0000280"
+    assert default_folder(summary(window=64, seeds=(0, 1, 2))) == "probes_window64_3seeds"

@@ -42,10 +42,27 @@ def _final_checkpoint(run_dir: Path) -> Path | None:
     return steps[-1] if steps else None
 
 
-def read_evals(run_dir: Path) -> dict[str, float]:
+def _attention_label(data: dict, trained: dict | None) -> str:
+    """"" for results at the attention the run trained with, else what differs: " [window=64]" (a window sweep at
+    evaluation is another column, never the trained model's score)."""
+    used = data.get("attention") or {}
+    trained = data.get("trained_attention") or trained or {}
+    diff = [f"{k}={used[k]}" for k in ("kind", "window") if k in used and k in trained and used[k] != trained[k]]
+    return f" [{', '.join(diff)}]" if diff else ""
+
+
+def _stale(data: dict, final: Path | None) -> bool:
+    """Whether results.json scored an earlier file of the final checkpoint's name (a resumed run rewrote
+    last.ckpt since). Files written before 2026-12-02 carry no checkpoint_mtime_ns and are taken as they are."""
+    recorded = data.get("checkpoint_mtime_ns")
+    return final is not None and recorded is not None and final.stat().st_mtime_ns != recorded
+
+
+def read_evals(run_dir: Path, trained_attention: dict | None = None) -> dict[str, float]:
     """{"task/metric": value} from the eval/**/results.json files that scored the run's final checkpoint (those of
-    an intermediate checkpoint, e.g. eval/probes_step280, are left out), the newest file winning where two give a
-    metric; a warning names the files when their values differ."""
+    an intermediate checkpoint, e.g. eval/probes_step280, and of an earlier last.ckpt are left out), the newest file
+    winning where two give a metric; a warning names the files when their values differ. Results under another
+    attention than the trained one are keyed apart: "probe_needle/acc [window=64]"."""
     final = _final_checkpoint(run_dir)
     found: list[tuple[float, Path, dict]] = []
     for path in sorted((run_dir / "eval").rglob("results.json")) if (run_dir / "eval").is_dir() else []:
@@ -57,13 +74,18 @@ def read_evals(run_dir: Path) -> dict[str, float]:
         scored = data.get("checkpoint")
         if final is not None and scored and Path(scored).name != final.name and Path(scored).name != "last.ckpt":
             continue  # an intermediate checkpoint's evaluation
+        if _stale(data, final):
+            print(f"warning: {run_dir.name}: {path} scored an earlier {final.name} (step {data.get('checkpoint_step')})"
+                  "; left out", file=sys.stderr)
+            continue
         found.append((path.stat().st_mtime, path, data))
     out: dict[str, float] = {}
     source: dict[str, Path] = {}
     for _, path, data in sorted(found, key=lambda item: item[0]):
         for entry in data.get("results", []):
             if isinstance(entry, dict) and entry.get("value") is not None and "task" in entry and "metric" in entry:
-                key, value = f"{entry['task']}/{entry['metric']}", float(entry["value"])
+                key = f"{entry['task']}/{entry['metric']}{_attention_label(data, trained_attention)}"
+                value = float(entry["value"])
                 if key in out and out[key] != value:
                     print(f"warning: {run_dir.name}: {key} is {out[key]:.4g} in {source[key]} and {value:.4g} in "
                           f"{path}; the newer ({path.parent.name}) is shown", file=sys.stderr)
@@ -213,7 +235,8 @@ def load_run(path: Path) -> Run:
     from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"), resolve=False)
-    return Run(path=path, config=config, metrics=read_metrics(path / "metrics.csv"), evals=read_evals(path))
+    return Run(path=path, config=config, metrics=read_metrics(path / "metrics.csv"),
+               evals=read_evals(path, config.get("attention")))
 
 
 def is_run_dir(path: Path) -> bool:
