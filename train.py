@@ -297,7 +297,7 @@ def train(cfg: DictConfig) -> dict:
     from data.datamodule import TokenDataModule
     from data.prepare import prepare
     from model.config import ConfigError
-    from model.lightning_module import LitDecoder
+    from model.lightning_module import CheckpointOnSigterm, LitDecoder
 
     console = Console(stderr=True, soft_wrap=True)  # one message, one line (logs are grepped)
     run_dir = Path(cfg.paths.run_dir)
@@ -352,7 +352,7 @@ def train(cfg: DictConfig) -> dict:
         strategy = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD")
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, filename="step{step:07d}", auto_insert_metric_name=False,
                                  every_n_train_steps=int(cfg.trainer.checkpoint_every_n_steps), save_top_k=-1,
-                                 save_last=True)]
+                                 save_last=True), CheckpointOnSigterm(ckpt_dir)]
     if cfg.trainer.progress_bar:
         callbacks.append(RichProgressBar(leave=True))
     ckpt = _resume_checkpoint(cfg, ckpt_dir)
@@ -455,11 +455,18 @@ def main(cfg: DictConfig):
 
     keep_freed_memory()  # big CPU tensors stop paying page faults every step (SA_CPU_MALLOC=0: off)
 
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     try:
         metrics = train(cfg)
     except (ConfigError, DataSourceError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except SIGTERMException:
+        # Lightning stops on SIGTERM (scancel, preemption) with a SystemExit of code 0: a sweep went on as if the
+        # job had finished, and a scheduler read "completed". 128 + 15, as a process killed by the signal.
+        print("stopped by SIGTERM; continue with resume=auto in the same run directory", file=sys.stderr)
+        sys.exit(143)
     return metrics.get("val/loss")
 
 

@@ -313,3 +313,22 @@ class LitDecoder(L.LightningModule):
         if self._loss_count:
             self.log("train/loss", self._loss_sum / self._loss_count, prog_bar=True, sync_dist=True)
             self._loss_sum, self._loss_count = None, 0
+
+
+class CheckpointOnSigterm(L.Callback):
+    """On SIGTERM (scancel, preemption) Lightning stops after the current batch; the newest checkpoint was then the
+    last periodic one, hundreds of steps back. This saves one at the step reached, as train.py's own final save
+    names them, unless the stop came between the micro-batches of an accumulated step (a checkpoint there would not
+    resume exactly): then the last periodic one stays the newest."""
+
+    def __init__(self, ckpt_dir):
+        self.ckpt_dir = ckpt_dir
+
+    def on_exception(self, trainer, pl_module, exception):
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if not isinstance(exception, SIGTERMException) or pl_module._loss_count or not trainer.training:
+            return
+        for name in (f"step{trainer.global_step:07d}.ckpt", "last.ckpt"):
+            trainer.save_checkpoint(self.ckpt_dir / name)
+        rank_zero_warn(f"SIGTERM: saved {self.ckpt_dir / 'last.ckpt'} at step {trainer.global_step}")

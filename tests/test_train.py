@@ -545,3 +545,39 @@ def test_training_without_eval_data_still_succeeds(tmp_path, corpus_file, data_c
     err = capsys.readouterr().err
     assert "eval.data_dir" in err and "held-out perplexity" in err
     assert "val/ppl" in metrics
+
+
+def test_sigterm_saves_the_step_reached_exits_143_and_resumes_exactly(tmp_path, corpus_file, data_cache):
+    """Lightning stops on SIGTERM (scancel, preemption) with exit code 0 and no checkpoint of the step reached: a
+    sweep went on to its next job as if this one had finished, and the resume went back to the periodic checkpoint."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    common = cli_tiny(corpus_file, data_cache) + ["attention=sa", "attention.window=8", "optim.schedule_steps=50",
+                                                  "trainer.val_every_n_steps=1000", "logger=csv",
+                                                  "trainer.checkpoint_every_n_steps=4", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, "trainer.max_steps=100000"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (run_dir / "checkpoints" / "step0000004.ckpt").is_file() and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.5)  # a few steps past the periodic checkpoint
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and "stopped by SIGTERM" in err, err[-3000:]
+    step = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["global_step"]
+    assert step > 4 and (run_dir / "checkpoints" / f"step{step:07d}.ckpt").is_file()
+    res = run_cli(common + [f"trainer.max_steps={step + 2}", "resume=auto"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    resumed = read_run_metrics(run_dir / "metrics.csv")["train/loss"]
+    whole = read_metrics_after(compose_train(TINY + ["attention=sa", "attention.window=8", "optim.schedule_steps=50",
+                                                     "trainer.val_every_n_steps=1000", f"trainer.max_steps={step + 2}"],
+                                             tmp_path / "whole", corpus_file, data_cache))["train/loss"]
+    assert sorted(resumed) == sorted(whole) == list(range(step + 2))
+    for s in whole:
+        assert abs(resumed[s] - whole[s]) <= 1e-6, s
