@@ -57,6 +57,19 @@ class SALM(TemplateLM):
     did: fp32 weights, matmuls under autocast, so the model is never cast).
     """
 
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        from lm_eval import utils
+
+        return cls.create_from_arg_obj(utils.simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        # lm-eval always adds its CLI's batch_size / device (defaults included) to model_args: a batch_size in
+        # model_args, as the README writes it, was "got multiple values for keyword argument". model_args win.
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
     def __init__(self, checkpoint: str | None = None, kind: str | None = None, window: int | None = None,
                  backend: str | None = None, eval_seed: int | None = None, batch_size: int | str = 16,
                  device: str | None = "auto", max_length: int | None = None, dtype: str = "float32",

@@ -223,6 +223,8 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
     if kind != "full" and trained.get("window") not in (None, info["attention"]["window"]):
         notes.append(f"window {info['attention']['window']} (trained with {trained['window']}; "
                      "attention.window=<w> sets it)")
+    if trained.get("kind") not in (None, kind):
+        notes.append(f"attention {kind} (trained as {trained['kind']}; attention.kind=<kind> sets it)")
     if kind not in STOCHASTIC_KINDS and num_seeds > 1:
         notes.append(f"attention kind={kind} is deterministic: 1 seed instead of {num_seeds}")
         num_seeds = 1
@@ -261,6 +263,9 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         avg_entry = {"value": statistics.fmean(avg_values), "per_seed": avg_values,
                      "std": statistics.stdev(avg_values) if len(avg_values) > 1 else 0.0, "tasks": avgs[0][1]}
     label = f"{kind} (w={info['attention']['window']})" if kind != "full" else "full"
+    as_trained = f"{trained.get('kind')} (w={trained.get('window')})" if trained.get("kind") != "full" else "full"
+    if trained.get("kind") is not None and as_trained != label:  # a model scored as it was not trained says so
+        label += f" [trained {as_trained}]"
     table = markdown_table([(label, combined, avg_entry)], len(seeds), tasks)
 
     summary = {

@@ -640,6 +640,7 @@ def test_evaluate_checkpoint_writes_json_and_table_with_seed_spread(tiny_ckpt, e
     table = (tmp_path / "out" / "results.md").read_text()
     assert table.splitlines()[0].startswith("| Model | Wiki ppl ↓ | LMB ppl ↓ | LMB acc ↑ |")
     assert "Avg ↑" in table.splitlines()[0] and "±" in table
+    assert "| sa (w=4) [trained sa (w=8)] |" in table  # scored at another window than it was trained with
     assert (tmp_path / "out" / "lm_eval" / "seed1.json").is_file()
     assert summary["avg_acc"]["tasks"] == ["lambada_openai/acc", "lambada_standard/acc", "piqa/acc_norm",
                                            "hellaswag/acc_norm"]
@@ -749,8 +750,10 @@ def test_evaluate_py_refuses_a_missing_data_dir_and_fails_when_nothing_ran(tiny_
 
 def test_lm_eval_cli_runs_sa_lm_on_a_local_task(tiny_ckpt, evaldata, tmp_path):
     folder, _, _ = evaldata
-    proc = _run(["-m", "evaluation.lm_eval_cli", "--model", "sa-lm", "--model_args", f"checkpoint={tiny_ckpt}",
-                 "--tasks", "lambada_openai", "--data_dir", str(folder), "--limit", "4", "--batch_size", "2",
+    # batch_size in model_args, as evaluation/README.md writes it: lm-eval adds its CLI's own batch_size too
+    proc = _run(["-m", "evaluation.lm_eval_cli", "--model", "sa-lm", "--model_args",
+                 f"checkpoint={tiny_ckpt},batch_size=3", "--tasks", "lambada_openai", "--data_dir", str(folder),
+                 "--limit", "4", "--batch_size", "2",
                  "--output_path", str(tmp_path / "out")], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "lambada_openai" in proc.stdout and "perplexity" in proc.stdout
