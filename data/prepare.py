@@ -223,6 +223,12 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     if not train_names or not val_buf:
         raise ConfigError("data.source", cfg["source"].get("paths", cfg["source"]["kind"]),
                           f"too little text to split into train and validation ({counts['documents']} documents)")
+    share = counts["val"] / max(1, counts["train"] + counts["val"])
+    if share < cfg["val_fraction"] / 2:  # whole documents are held out: a few long books make a coarse split
+        print(f"warning: validation holds {counts['val_documents']} of {counts['documents']} documents, "
+              f"{share:.1%} of the tokens (data.val_fraction={cfg['val_fraction']}); with few long documents "
+              "every val loss comes from these, so raise data.val_fraction for a broader validation set",
+              file=sys.stderr)
     shards.write_shard(root / "val.bin", np.concatenate(val_buf))
     meta = {
         "format_version": FORMAT_VERSION,

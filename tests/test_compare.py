@@ -236,3 +236,14 @@ def test_summary_survives_a_diverged_seed(tmp_path):
     _fake_run(tmp_path, "b", seed=1, rows=[(0, 9, 2.0, 320, ""), (0, 9, "", "", "nan")])
     text = compare([str(tmp_path)], tmp_path / "out", plots=False)["markdown"]
     assert "| sa w=8 | 2 | nan ± nan |" in text
+
+
+def test_a_run_that_stopped_early_is_marked(tmp_path, capsys):
+    """A killed run's row looked like a finished one: 430 steps of 1500, its val loss from step 400."""
+    from tools.compare import compare
+
+    _fake_run(tmp_path, "done", max_steps=10, rows=[(0, 9, 2.0, 320, ""), (0, 10, "", "", 2.1)])
+    _fake_run(tmp_path, "killed", seed=1, max_steps=30, rows=[(0, 9, 2.0, 320, ""), (0, 10, "", "", 2.1)])
+    text = compare([str(tmp_path)], tmp_path / "out", plots=False)["markdown"]
+    assert "| done | sa | 8 | 0 | 10 |" in text and "| killed | sa | 8 | 1 | 10/30 |" in text
+    assert "killed stopped at step 10 of 30" in capsys.readouterr().err

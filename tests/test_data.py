@@ -353,3 +353,17 @@ def test_the_tokenizer_is_trained_on_training_documents_only(tmp_path):
     prepared = prepare(data_cfg([path], vocab=300), tmp_path / "cache", progress=False)
     vocab = load_tokenizer(prepared.tokenizer_path).get_vocab()
     assert not [t for t in vocab if "zq" in t or "xj" in t or "jv" in t]
+
+
+def test_a_validation_split_far_below_val_fraction_is_warned_about(tmp_path, capsys):
+    """Whole documents are held out: 43 Gutenberg books at val_fraction 0.05 gave one book, 1.6% of the tokens."""
+    from data.prepare import _is_val
+
+    assert not any(_is_val(i, 0.1) for i in range(6))  # the hash split holds out none: the last one is moved
+    for name, long_first, warned in (("skewed", 400, True), ("even", 20, False)):
+        docs = [f"document {i} " + "words and more words " * (long_first if i == 0 else 20) for i in range(6)]
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+        prepared = prepare(data_cfg([path]), tmp_path / name, progress=False)
+        assert prepared.meta["tokens"]["val_documents"] == 1
+        assert ("validation holds 1 of 6 documents" in capsys.readouterr().err) == warned, name

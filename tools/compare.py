@@ -53,12 +53,21 @@ def run_rows(runs: list[Run]) -> tuple[list[dict], list[str]]:
         per = r.tokens_per_step()
         rows.append({
             "run": r.path.name, "path": str(r.path), "variant": r.variant, "window": r.window, "seed": r.seed,
-            "group": r.group, "steps": r.steps, "tokens": r.steps * per if r.steps and per else None,
+            "group": r.group, "steps": r.steps, "planned_steps": r.planned_steps,
+            "tokens": r.steps * per if r.steps and per else None,
             "train_loss": r.last("train/loss"), "val_loss": r.last("val/loss"),
             "val_ppl": r.last("val/ppl"), "tokens_per_s": statistics.median(tps) if tps else None,
             "params": param_cache[key], **{f"eval:{k}": r.evals.get(k) for k in eval_keys},
         })
     return rows, eval_keys
+
+
+def _steps(row: dict) -> str:
+    """Steps run, as "430/1500" for a run that stopped before trainer.max_steps (killed, or still running)."""
+    done, planned = row["steps"], row.get("planned_steps")
+    if done is not None and planned is not None and done < planned:
+        return f"{done}/{planned}"
+    return _num(done, "{}")
 
 
 def markdown_table(rows: list[dict], eval_keys: list[str]) -> str:
@@ -67,7 +76,7 @@ def markdown_table(rows: list[dict], eval_keys: list[str]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["run"], r["variant"], "—" if r["window"] is None else str(r["window"]), str(r["seed"]),
-                 _num(r["steps"], "{}"), _num(r["tokens"], "{:,.0f}"), _num(r["train_loss"]), _num(r["val_loss"]),
+                 _steps(r), _num(r["tokens"], "{:,.0f}"), _num(r["train_loss"]), _num(r["val_loss"]),
                  _num(r["val_ppl"], "{:.2f}"), _num(r["tokens_per_s"], "{:,.0f}"), _params(r["params"])]
         cells += [_num(r[f"eval:{k}"]) for k in eval_keys]
         lines.append("| " + " | ".join(cells) + " |")
@@ -183,6 +192,10 @@ def compare(paths, out: Path | None = None, plots: bool = True) -> dict:
             r.label = f"{r.config.get('task_name')}: "
     label_differences(runs)
     rows, eval_keys = run_rows(runs)
+    for r in rows:
+        if r["steps"] is not None and r["planned_steps"] is not None and r["steps"] < r["planned_steps"]:
+            print(f"warning: {r['run']} stopped at step {r['steps']} of {r['planned_steps']} (killed, or still "
+                  "running): its final values are not the configured run's", file=sys.stderr)
     text = ("## Runs\n\n" + markdown_table(rows, eval_keys) + "\n\n## Per configuration (mean ± std over seeds)\n\n"
             + summary_table(rows, eval_keys) + "\n\nFinal values = last logged; tokens/s = median over the run; "
             "params rebuilt from config.yaml on the meta device.\n")

@@ -150,6 +150,14 @@ class Run:
     def seed(self):
         return self.config.get("seed")
 
+    @property
+    def planned_steps(self) -> int | None:
+        """trainer.max_steps as config.yaml holds it (None when it is an unresolved interpolation)."""
+        try:
+            return int(self.config.get("trainer", {}).get("max_steps"))
+        except (TypeError, ValueError):
+            return None
+
     group_extra: str = ""  # what else sets this run apart from runs of its variant and window (tools.compare sets it)
 
     @property
