@@ -405,9 +405,11 @@ def train(cfg: DictConfig) -> dict:
 
 def _evaluate_after_training(cfg, ckpt: Path, run_dir: Path, loggers, trainer, console) -> dict:
     """Score the final checkpoint on the configured suite; log the numbers to W&B and the CSV like training metrics."""
-    from evaluation.runner import evaluate_checkpoint
+    from evaluation.runner import default_task_dir, evaluate_checkpoint
 
     eval_cfg = OmegaConf.to_container(cfg.eval, resolve=True)
+    if eval_cfg.get("data_dir") and not eval_cfg.get("task_dir"):  # the converted tasks go where the data cache is
+        eval_cfg["task_dir"] = str(default_task_dir(eval_cfg["data_dir"], cfg.paths.cache_dir))
     summary = evaluate_checkpoint(ckpt, eval_cfg, None, run_dir / "eval" / eval_cfg.get("name", "suite"),
                                   log=lambda msg: console.print(msg, markup=False))
     scores = {f"eval/{r['task']}/{r['metric']}": float(r["value"]) for r in summary["results"]

@@ -27,11 +27,12 @@ DEFAULTS = {"name": "custom", "tasks": ["wikitext", "lambada_openai"], "data_dir
             "bootstrap_iters": 1000, "task_dir": None, "after_train": False}
 
 
-def default_task_dir(data_dir: str | Path) -> Path:
-    """Converted local tasks are cached per data folder: $SA_CACHE_DIR (or <repo>/.cache)/eval_tasks/<hash>."""
+def default_task_dir(data_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """Converted local tasks are cached per data folder: <cache_dir> (default $SA_CACHE_DIR, else <repo>/.cache)
+    /eval_tasks/<hash>."""
     import hashlib
 
-    root = Path(os.environ.get("SA_CACHE_DIR") or ROOT / ".cache")
+    root = Path(cache_dir or os.environ.get("SA_CACHE_DIR") or ROOT / ".cache")
     key = hashlib.sha1(str(Path(data_dir).resolve()).encode()).hexdigest()[:12]
     return root / "eval_tasks" / key
 

@@ -529,11 +529,13 @@ def test_training_ends_with_the_evaluation_suite(tmp_path, corpus_file, data_cac
 
     evaldata = write_evaldata(tmp_path / "evaldata", make_truth(), wiki_articles(3))
     cfg = compose_train(TINY + ["trainer.max_steps=4", "trainer.val_every_n_steps=4", "eval.after_train=true",
-                                f"eval.data_dir={evaldata}", "eval.limit=4", f"eval.task_dir={tmp_path / 'tasks'}"],
-                        tmp_path / "run", corpus_file, data_cache)
+                                f"eval.data_dir={evaldata}", "eval.limit=4"], tmp_path / "run", corpus_file,
+                        tmp_path / "cache")
     metrics = train(cfg)
     results = tmp_path / "run" / "eval" / "quick" / "results.json"
     assert results.is_file() and (results.parent / "results.md").is_file()
+    # the converted tasks are cached beside the run's data (paths.cache_dir), not in the repository's .cache
+    assert list((tmp_path / "cache" / "eval_tasks").glob("*/wikitext.yaml"))
     assert "eval/lambada_openai/acc" in metrics and "eval/wikitext/word_perplexity" in metrics
     assert "eval/wikitext/word_perplexity" in read_metrics(tmp_path / "run")
 
