@@ -196,9 +196,9 @@ def sa_prefill_attention(module, query, key, value, attention_mask, scaling=None
     for name in ("softcap", "s_aux", "sinks", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"sa_prefill: attention with {name} is not supported")
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("sa_prefill: this layer has its own sliding window (model config); only models "
-                                  "with full-attention layers are supported")
+    if kwargs.get("sliding_window") is not None and q_len > kwargs["sliding_window"]:  # shorter: a no-op window
+        raise NotImplementedError("sa_prefill: this layer has its own sliding window (model config), shorter than "
+                                  f"the {q_len} tokens here; only full-attention layers are supported")
     if is_causal is False or not getattr(module, "is_causal", True):
         raise NotImplementedError("sa_prefill: non-causal attention (encoders) is not supported")
     if dropout and module.training:
@@ -207,5 +207,9 @@ def sa_prefill_attention(module, query, key, value, attention_mask, scaling=None
     if layer is None:
         raise RuntimeError(f"sa_prefill: {type(module).__name__} has no layer_idx (needed for the per-layer pi)")
     starts, lengths = sequence_layout(attention_mask, query.shape[0], q_len)
+    if not query.dtype == key.dtype == value.dtype:  # autocast: RoPE's fp32 cos/sin made q and k fp32, v stayed bf16
+        device = query.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else value.dtype
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     out = prefill_attention(query, key, value, settings, int(layer), scaling, starts, lengths)
     return out.transpose(1, 2).contiguous(), None

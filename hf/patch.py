@@ -49,6 +49,12 @@ def patch_model(model, kind: str, window: int | None = None, seed: int = 0, back
     Stores a PrefillSettings on every attention module (the modules with `layer_idx`) and on the model
     (`model.sa_prefill`), registers the attention function and selects it. Returns the model (patched in place).
     """
+    if not getattr(model, "_supports_attention_backend", False):
+        # its attention layers call their own code: the config switch below would take, the patched function never
+        # run, and the scores of the model's full attention be reported as SA / SWA / MoBA
+        raise ValueError(f"{type(model).__name__} does not run its attention through transformers' "
+                         "AttentionInterface (_supports_attention_backend is False), so it cannot be patched; "
+                         "supported: Llama, Qwen2/3, Mistral, Gemma, Phi, GPT-NeoX and other such models")
     settings = PrefillSettings(kind=kind, window=None if window is None else int(window), seed=int(seed),
                                backend=backend, moba_top_k=int(moba_top_k))
     register()
@@ -64,12 +70,31 @@ def patch_model(model, kind: str, window: int | None = None, seed: int = 0, back
     if current != ATTN_NAME:  # re-patching keeps the implementation the model had before the first patch
         model._attn_before_sa_prefill = current or "sdpa"
     _set_attn_implementation(model, ATTN_NAME)
+    if "generate" not in vars(model):
+        model.generate = _generate_with_cache(model.generate)
     return model
+
+
+def _generate_with_cache(generate):
+    """generate() of a patched model, with the KV cache required: without it every decoding step re-runs the whole
+    sequence as a prefill, under the pattern and a fresh pi, where decoding is meant to be full attention."""
+    import functools
+
+    @functools.wraps(generate)
+    def wrapped(*args, **kwargs):
+        config = kwargs.get("generation_config") or getattr(generate.__self__, "generation_config", None)
+        if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
+            raise ValueError("hf.patch_model: generate(use_cache=False) would apply the prefill pattern to every "
+                             "decoding step; generate with the cache (decoding is full attention over it)")
+        return generate(*args, **kwargs)
+
+    return wrapped
 
 
 def unpatch_model(model, attn_implementation: str | None = None):
     """Back to the attention implementation the model had before `patch_model` (or `attn_implementation`)."""
     _set_attn_implementation(model, attn_implementation or getattr(model, "_attn_before_sa_prefill", "sdpa"))
+    vars(model).pop("generate", None)
     for module in model.modules():
         if getattr(module, "sa_prefill", None) is not None:
             module.sa_prefill = None

@@ -256,6 +256,53 @@ def test_generation_prefill_patched_decode_full(tiny, ids, kind):
     assert torch.equal(together[1, 12:], tiny.generate(short, max_new_tokens=6, do_sample=False)[0, 9:])
 
 
+def test_generation_without_the_cache_is_refused(tiny, ids):
+    """Without the KV cache every decoding step is a whole-sequence forward, which the patch took for a prefill:
+    SA with a fresh pi at every step, where decoding is full attention."""
+    patch_model(tiny, "sa", 3)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        tiny.generate(ids[:, :12], max_new_tokens=2, do_sample=False, use_cache=False)
+    unpatch_model(tiny, "sdpa")
+    tiny.generate(ids[:, :12], max_new_tokens=2, do_sample=False, use_cache=False)  # the model's own, unpatched
+
+
+def test_a_model_with_its_own_attention_code_is_refused():
+    """Bloom, Falcon, ... do not call transformers' AttentionInterface: the config switch took, the patched function
+    never ran, and their full-attention scores were reported as SA."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    model = BloomForCausalLM(BloomConfig(vocab_size=V, hidden_size=32, n_layer=1, n_head=2)).eval()
+    with pytest.raises(ValueError, match="AttentionInterface"):
+        patch_model(model, "sa", 3)
+
+
+def test_patched_attention_runs_under_autocast(tiny, ids):
+    """Under autocast RoPE's fp32 cos/sin make q and k fp32 while v stays bf16 (lm-eval's autocast_dtype path)."""
+    expected = _logits(tiny, ids, "sa", 7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _logits(tiny, ids, "sa", 7)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert (got.float() - expected).abs().max() < 0.1 * expected.abs().max()
+
+
+def test_a_model_sliding_window_longer_than_the_prompt_is_no_obstacle(ids):
+    """Mistral's config carries sliding_window=4096 by default: on a shorter prompt it changes nothing."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                           sliding_window=N + 8, attn_implementation="sdpa")
+    model = MistralForCausalLM(config).eval()
+    full = _logits(model, ids)
+    assert torch.allclose(_logits(model, ids, "swa", N), full, atol=1e-5)  # a band as wide as the prompt
+    model.config.sliding_window = N // 2  # a window that acts on this prompt is still refused
+    unpatch_model(model, "sdpa")
+    model = MistralForCausalLM(model.config).eval()
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        _logits(model, ids, "swa", 4)
+
+
 # ---------------------------------------------------------------------------------------------- lm-eval, load path
 
 
