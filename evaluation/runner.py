@@ -87,10 +87,17 @@ class TaskPlan:
     task_manager: object = None
 
 
-def _hub_offline() -> bool:
+def _offline_mode() -> bool:
+    """HF_HUB_OFFLINE / HF_DATASETS_OFFLINE: datasets reads its local cache and fails at once on a miss."""
     offline_vars = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    if any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on") for k in offline_vars):
-        return True
+    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on") for k in offline_vars)
+
+
+def _hub_unreachable() -> bool:
+    """No offline mode set and no connection to the hub: datasets would retry for minutes per task. Behind a proxy
+    the direct connection test says nothing, so the hub is tried."""
+    if _offline_mode() or any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False
     return not _hub_reachable()
 
 
@@ -160,18 +167,20 @@ def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Pa
                                         include_defaults=dirs is None)
         if dirs is None:  # some name is not one of ours: only lm-eval's full index can tell a typo
             _refuse_unknown(hub, plan.task_manager)
-        offline = _hub_offline()
+        unreachable = _hub_unreachable()
         for name in hub:
             here = local.missing.get(name) if local is not None else "eval.data_dir is not set"
-            if offline:  # don't let datasets retry a hub it cannot reach (minutes of back-off per task)
-                unreachable = "HF hub offline or unreachable"
-                plan.skipped[name] = f"{here}; {unreachable}" if here else unreachable
+            if unreachable:  # don't let datasets retry a hub it cannot reach (minutes of back-off per task)
+                why = "HF hub unreachable"
+                plan.skipped[name] = f"{here}; {why}" if here else why
                 continue
+            # online, or offline mode: a dataset in the local HF cache is used, a missing one fails at once
             try:
                 plan.task_manager.load([name])
                 plan.source[name] = "hub"
             except Exception as err:  # noqa: BLE001 - any failure to get the data means: skip this task
-                why = "HF hub offline" if _hub_offline() else f"HF hub: {type(err).__name__}: {str(err)[:120]}"
+                why = ("HF hub offline and not in the local datasets cache" if _offline_mode()
+                       else f"HF hub: {type(err).__name__}: {str(err)[:120]}")
                 plan.skipped[name] = f"{here}; {why}" if here else why
     plan.run = [t for t in tasks if t in plan.source]
     return plan

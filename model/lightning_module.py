@@ -16,19 +16,21 @@ from model.decoder import Decoder
 # Dense bf16 peak FLOP/s per device (the SXM / flagship parts), for model FLOPs utilisation, matched on the whole
 # model name in torch.cuda.get_device_name: "L4" must not take "L40S", nor "H100" the PCIe card (756e12). Devices
 # not listed log no MFU.
-PEAK_FLOPS = {"H100": 989e12, "H100 80GB HBM3": 989e12, "H200": 989e12, "A100": 312e12, "A10G": 125e12,
-              "L4": 121e12, "L40S": 362e12, "RTX 4090": 165e12}
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "L40S": 362e12,
+              "RTX 4090": 165e12}
 
 
 def peak_flops(device_name: str) -> float | None:
-    """PEAK_FLOPS of a device name such as "NVIDIA H100 80GB HBM3" or "NVIDIA A100-SXM4-80GB" (the model is the
-    word after the vendor, up to a dash: A100-SXM4 is an A100, A100-PCIE too, both 312e12), or None."""
-    name = device_name.removeprefix("NVIDIA").strip()
+    """PEAK_FLOPS of a CUDA device name: "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"
+    (every A100 part: 312e12), "NVIDIA GeForce RTX 4090"; the model is the first word after the vendor, up to a dash.
+    H100 / H200 PCIe and NVL parts run at other clocks: None, as for devices not listed."""
+    name = device_name.removeprefix("NVIDIA").strip().removeprefix("GeForce").strip()
     if name in PEAK_FLOPS:
         return PEAK_FLOPS[name]
-    if "PCIe" in name or "NVL" in name:  # other parts of a listed model, at other clocks: unknown here
+    model = name.split("-")[0].split(" ")[0]
+    if model in ("H100", "H200") and any(part in name.upper() for part in ("PCIE", "NVL")):
         return None
-    return PEAK_FLOPS.get(name.split("-")[0].split(" ")[0])
+    return PEAK_FLOPS.get(model)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -135,7 +137,8 @@ class LitDecoder(L.LightningModule):
         self._val_totals = None
 
     def on_save_checkpoint(self, checkpoint):
-        self._save_started = time.perf_counter()  # the save is not part of the step's throughput
+        # the first save after the step (ModelCheckpoint writes step<N>.ckpt, then last.ckpt) is where the step ended
+        self._save_started = self._save_started or time.perf_counter()
         if self.tokenizer_json is not None:
             checkpoint["tokenizer"] = self.tokenizer_json
         checkpoint["loss_only_after"] = self.loss_only_after
@@ -318,11 +321,19 @@ class LitDecoder(L.LightningModule):
 class CheckpointOnSigterm(L.Callback):
     """On SIGTERM (scancel, preemption) Lightning stops after the current batch; the newest checkpoint was then the
     last periodic one, hundreds of steps back. This saves one at the step reached, as train.py's own final save
-    names them, unless the stop came between the micro-batches of an accumulated step (a checkpoint there would not
-    resume exactly): then the last periodic one stays the newest."""
+    names them. A signal between the micro-batches of an accumulated step is held back to the step's end (a
+    checkpoint mid-step would not resume exactly); Lightning reads the flag at the end of every batch."""
 
     def __init__(self, ckpt_dir):
         self.ckpt_dir = ckpt_dir
+        self._held = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        connector = trainer._signal_connector
+        if connector.received_sigterm and pl_module._loss_count:  # mid-step: let the step finish
+            connector.received_sigterm, self._held = False, True
+        elif self._held and not pl_module._loss_count:
+            connector.received_sigterm, self._held = True, False
 
     def on_exception(self, trainer, pl_module, exception):
         from lightning.pytorch.utilities.exceptions import SIGTERMException

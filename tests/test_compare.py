@@ -183,17 +183,24 @@ def test_evals_of_an_earlier_last_checkpoint_or_another_attention_are_not_the_ru
     the longer run's steps. A score at another window was pooled into the trained window's group."""
     from tools.runs import load_run
 
-    run = _fake_run(tmp_path, "r", window=8)
+    run = _fake_run(tmp_path, "r", window=8, rows=[(0, 29, 2.0, 960, "")])  # 30 steps
     now = (run / "checkpoints" / "last.ckpt").stat().st_mtime_ns
-    for folder, mtime, window, value in (("old", now - 1, 8, 0.25), ("final", now, 8, 0.5), ("wide", now, 64, 0.7),
-                                         ("legacy", None, 8, 0.5)):
+    for folder, mtime, step, window, value in (("old", now - 1, 10, 8, 0.25), ("final", now, 30, 8, 0.5),
+                                               ("wide", now, 30, 64, 0.7), ("legacy", None, None, 8, 0.5)):
         (run / "eval" / folder).mkdir(parents=True)
         (run / "eval" / folder / "results.json").write_text(json.dumps(
             {"checkpoint": str(run / "checkpoints" / "last.ckpt"), "checkpoint_mtime_ns": mtime,
-             "attention": {"kind": "sa", "window": window},
+             "checkpoint_step": step, "attention": {"kind": "sa", "window": window},
              "results": [{"task": "probe_needle", "metric": "acc", "value": value}]}))
     assert load_run(run).evals == {"probe_needle/acc": 0.5, "probe_needle/acc [window=64]": 0.7}
-    assert "scored an earlier last.ckpt" in capsys.readouterr().err
+    assert "scored an earlier last.ckpt (step 10)" in capsys.readouterr().err
+    # a copied run folder: every mtime is new, the steps are those scored
+    import shutil
+
+    copy = shutil.copytree(run, tmp_path / "copy", copy_function=shutil.copy)
+    (copy / "eval" / "old" / "results.json").unlink()
+    assert load_run(copy).evals == {"probe_needle/acc": 0.5, "probe_needle/acc [window=64]": 0.7}
+    assert "scored an earlier" not in capsys.readouterr().err
 
 
 def test_steps_tokens_and_curves_of_runs_that_stop_between_log_rows(tmp_path):
@@ -216,6 +223,16 @@ def test_steps_tokens_and_curves_of_runs_that_stop_between_log_rows(tmp_path):
     steps, values = old.series("val/loss")
     assert steps == [0, 9, 19, 25] and values == [3.0, 2.4, 2.1, 2.0]
     assert old.steps == 25 and old.tokens_at(steps) == [0, 320, 640, 800]
+    # validating every step: the last validation follows the last training row now, sits at its step before
+    every = {"trainer": {"val_every_n_steps": 1}}
+    now_rows = [(0, 0, "", "", 3.0), (0, 0, 2.5, 32, ""), (0, 1, "", "", 2.4), (0, 1, 2.3, 64, ""),
+                (0, 2, "", "", 2.2)]
+    old_rows = [(0, 0, "", "", 3.0), (0, 0, 2.5, 32, ""), (0, 0, "", "", 2.4), (0, 1, 2.3, 64, ""),
+                (0, 1, "", "", 2.2)]
+    for name, rows, behind in (("every1_now", now_rows, 2), ("every1_old", old_rows, 2)):
+        one = load_run(_fake_run(tmp_path, name, max_steps=2, rows=rows))
+        one.config.update(every)
+        assert one.steps_behind(max(one.metrics["val/loss"]), "val/loss") == behind
     # a final validation at 29 (= 3 * 10 - 1) is the final weights' in a run labelled the current way
     late = load_run(_fake_run(tmp_path, "late", max_steps=29, rows=rows[:2] + [(0, 10, "", "", 2.4),
                                                                                  (0, 29, "", "", 2.0)]))

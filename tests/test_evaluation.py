@@ -768,3 +768,19 @@ def test_lm_eval_cli_refuses_few_shot_examples_from_a_test_split(tiny_ckpt, eval
                  "--limit", "1", "--batch_size", "2"], tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "--num_fewshot=2" in proc.stderr and "lambada_openai, piqa have no non-test split" in proc.stderr
+
+
+def test_hub_tasks_are_skipped_up_front_only_where_the_hub_would_be_retried(monkeypatch):
+    """Offline mode reads the local datasets cache (a cached hub task runs) and fails at once on a miss, so only a
+    hub that cannot be reached without offline mode is skipped up front; behind a proxy the hub is tried."""
+    import evaluation.runner as runner
+
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(runner, "_HUB_REACHABLE", False)
+    assert runner._hub_unreachable()
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert not runner._hub_unreachable()
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+    assert not runner._hub_unreachable()

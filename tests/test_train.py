@@ -369,12 +369,13 @@ def test_tokens_per_s_leaves_out_checkpoint_saves(tmp_path):
             super().save_checkpoint(*args, **kwargs)
 
     trainer = L.Trainer(accelerator="cpu", max_steps=8, plugins=[SlowDisk()], log_every_n_steps=1,
-                        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)],
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1,
+                                                   save_last=True)],  # as train.py: two saves after the step
                         logger=CSVLogger(tmp_path, name="log"), enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path)
     batches = torch.utils.data.DataLoader(torch.randint(0, 32, (8, 17)), batch_size=1, collate_fn=torch.stack)
     trainer.fit(_tiny_module(), train_dataloaders=batches)
-    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 2  # after steps 3 and 6 (rows 2 and 5)
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 3  # after steps 3 and 6 (rows 2 and 5), and last
     [path] = list((tmp_path / "log").rglob("metrics.csv"))
     rates = read_run_metrics(path)["train/tokens_per_s"]
     others = sorted(v for step, v in rates.items() if step not in (2, 5))
@@ -396,8 +397,10 @@ def test_peak_flops_of_device_names():
 
     assert peak_flops("NVIDIA H100 80GB HBM3") == peak_flops("NVIDIA H200") == 989e12
     assert peak_flops("NVIDIA A100-SXM4-80GB") == peak_flops("NVIDIA A100-PCIE-40GB") == 312e12
+    assert peak_flops("NVIDIA A100 80GB PCIe") == 312e12 and peak_flops("NVIDIA GeForce RTX 4090") == 165e12
     assert peak_flops("NVIDIA L40S") == 362e12 and peak_flops("NVIDIA L4") == 121e12
-    assert peak_flops("NVIDIA H100 PCIe") is None and peak_flops("Tesla T4") is None
+    assert peak_flops("NVIDIA H100 PCIe") is None and peak_flops("NVIDIA H100 NVL") is None
+    assert peak_flops("Tesla T4") is None
 
 
 def test_loss_only_after_counts_just_the_following_tokens():
@@ -549,16 +552,19 @@ def test_training_without_eval_data_still_succeeds(tmp_path, corpus_file, data_c
     assert "val/ppl" in metrics
 
 
-def test_sigterm_saves_the_step_reached_exits_143_and_resumes_exactly(tmp_path, corpus_file, data_cache):
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_sigterm_saves_the_step_reached_exits_143_and_resumes_exactly(accumulate, tmp_path, corpus_file, data_cache):
     """Lightning stops on SIGTERM (scancel, preemption) with exit code 0 and no checkpoint of the step reached: a
-    sweep went on to its next job as if this one had finished, and the resume went back to the periodic checkpoint."""
+    sweep went on to its next job as if this one had finished, and the resume went back to the periodic checkpoint.
+    With accumulation the signal mostly arrives mid-step: the stop waits for the step's end."""
     import signal
     import time
 
     run_dir = tmp_path / "run"
-    common = cli_tiny(corpus_file, data_cache) + ["attention=sa", "attention.window=8", "optim.schedule_steps=50",
-                                                  "trainer.val_every_n_steps=1000", "logger=csv",
-                                                  "trainer.checkpoint_every_n_steps=4", f"hydra.run.dir={run_dir}"]
+    settings = ["attention=sa", "attention.window=8", "optim.schedule_steps=50", "trainer.val_every_n_steps=1000",
+                f"trainer.accumulate_grad_batches={accumulate}"]
+    common = cli_tiny(corpus_file, data_cache) + settings + ["logger=csv", "trainer.checkpoint_every_n_steps=4",
+                                                             f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, "trainer.max_steps=100000"],
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -571,15 +577,14 @@ def test_sigterm_saves_the_step_reached_exits_143_and_resumes_exactly(tmp_path, 
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 143 and "stopped by SIGTERM" in err, err[-3000:]
+    assert proc.returncode == 143 and "stopped by SIGTERM" in err and "SIGTERM: saved" in err, err[-3000:]
     step = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["global_step"]
     assert step > 4 and (run_dir / "checkpoints" / f"step{step:07d}.ckpt").is_file()
     res = run_cli(common + [f"trainer.max_steps={step + 2}", "resume=auto"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     resumed = read_run_metrics(run_dir / "metrics.csv")["train/loss"]
-    whole = read_metrics_after(compose_train(TINY + ["attention=sa", "attention.window=8", "optim.schedule_steps=50",
-                                                     "trainer.val_every_n_steps=1000", f"trainer.max_steps={step + 2}"],
-                                             tmp_path / "whole", corpus_file, data_cache))["train/loss"]
+    whole = read_metrics_after(compose_train(TINY + settings + [f"trainer.max_steps={step + 2}"], tmp_path / "whole",
+                                             corpus_file, data_cache))["train/loss"]
     assert sorted(resumed) == sorted(whole) == list(range(step + 2))
     for s in whole:
         assert abs(resumed[s] - whole[s]) <= 1e-6, s

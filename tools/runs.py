@@ -51,14 +51,17 @@ def _attention_label(data: dict, trained: dict | None) -> str:
     return f" [{', '.join(diff)}]" if diff else ""
 
 
-def _stale(data: dict, final: Path | None) -> bool:
-    """Whether results.json scored an earlier file of the final checkpoint's name (a resumed run rewrote
-    last.ckpt since). Files written before 2026-12-02 carry no checkpoint_mtime_ns and are taken as they are."""
-    recorded = data.get("checkpoint_mtime_ns")
-    return final is not None and recorded is not None and final.stat().st_mtime_ns != recorded
+def _stale(data: dict, final: Path | None, steps: int | None) -> bool:
+    """Whether results.json scored an earlier file of the final checkpoint's name: a resumed run rewrote last.ckpt
+    since (another mtime) and trained on past the step that was scored. A copied run folder changes the mtimes
+    only. Files written before 2026-12-02 carry neither and are taken as they are."""
+    mtime, step = data.get("checkpoint_mtime_ns"), data.get("checkpoint_step")
+    if final is None or mtime is None or step is None or final.stat().st_mtime_ns == mtime:
+        return False
+    return steps is not None and step < steps
 
 
-def read_evals(run_dir: Path, trained_attention: dict | None = None) -> dict[str, float]:
+def read_evals(run_dir: Path, trained_attention: dict | None = None, steps: int | None = None) -> dict[str, float]:
     """{"task/metric": value} from the eval/**/results.json files that scored the run's final checkpoint (those of
     an intermediate checkpoint, e.g. eval/probes_step280, and of an earlier last.ckpt are left out), the newest file
     winning where two give a metric; a warning names the files when their values differ. Results under another
@@ -74,7 +77,7 @@ def read_evals(run_dir: Path, trained_attention: dict | None = None) -> dict[str
         scored = data.get("checkpoint")
         if final is not None and scored and Path(scored).name != final.name and Path(scored).name != "last.ckpt":
             continue  # an intermediate checkpoint's evaluation
-        if _stale(data, final):
+        if _stale(data, final, steps):
             print(f"warning: {run_dir.name}: {path} scored an earlier {final.name} (step {data.get('checkpoint_step')})"
                   "; left out", file=sys.stderr)
             continue
@@ -198,11 +201,13 @@ class Run:
         early label has (a validation at s follows the training row at s - 1)."""
         every = self._val_every()
         labels = sorted(s for s in self.metrics.get("val/loss", {}) if s > 0)
+        trained = self.metrics.get("train/loss", {})
+        if every == 1 and labels and trained:  # now the last validation follows the last training row's step
+            return max(labels) <= max(trained)
         if every <= 1 or not labels:
             return False
         between = labels[:-1]
         if not between:
-            trained = self.metrics.get("train/loss", {})
             return (labels[-1] + 1) % every == 0 and max(trained, default=-1) >= labels[-1]
         early = sum((s + 1) % every == 0 for s in between)
         return early > sum(s % every == 0 for s in between)
@@ -243,8 +248,9 @@ def load_run(path: Path) -> Run:
     from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"), resolve=False)
-    return Run(path=path, config=config, metrics=read_metrics(path / "metrics.csv"),
-               evals=read_evals(path, config.get("attention")))
+    run = Run(path=path, config=config, metrics=read_metrics(path / "metrics.csv"))
+    run.evals = read_evals(path, config.get("attention"), run.steps)
+    return run
 
 
 def is_run_dir(path: Path) -> bool:
