@@ -106,6 +106,9 @@ def _check_trainer_and_optim(cfg: DictConfig):
                               "trainer=ddp_cpu (several processes) or trainer.accelerator=cpu")
     if not isinstance(t.get("compile", False), bool):
         raise ConfigError("trainer.compile", t.compile, "true or false (torch.compile every decoder block)")
+    if t.strategy == "fsdp" and (t.accelerator == "cpu" or not _cuda_available()):
+        raise ConfigError("trainer.strategy", "fsdp", "FSDP needs CUDA GPUs (torch has no CPU FSDP); on the CPU use "
+                          "trainer=ddp_cpu")
     if t.get("compile") and cfg.attention.backend == "flex":
         raise ConfigError("trainer.compile", True, "attention.backend=flex compiles its own kernel; use backend "
                           "auto, torch or triton with a compiled model")
@@ -133,6 +136,12 @@ def _check_trainer_and_optim(cfg: DictConfig):
         raise ConfigError("optim.grad_clip", o.grad_clip, "must be >= 0 (0 or null: no clipping)")
     if o.get("tokens_per_step") is not None and int(o.tokens_per_step) < 1:
         raise ConfigError("optim.tokens_per_step", o.tokens_per_step, "must be a positive integer (or null)")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _check_cpu_training(cfg: DictConfig):
@@ -379,8 +388,14 @@ def train(cfg: DictConfig) -> dict:
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         (run_dir / "git_revision.txt").write_text(_git_revision() + "\n")
     ok = False
+    # Under FSDP a validate() outside fit wraps the blocks in place; fit then finds them wrapped, leaves the root
+    # unwrapped and the first step fails on a flat embedding shard (Lightning #19015): validation runs inside fit only
+    outside_fit = cfg.trainer.strategy != "fsdp"
+    if not outside_fit and trainer.is_global_zero:
+        console.print("[yellow]trainer=fsdp[/]: no validation before training or of final weights between "
+                      "validation steps (Lightning #19015); align trainer.max_steps with trainer.val_every_n_steps")
     try:
-        trainer.validate(module, datamodule=datamodule, verbose=False) if ckpt is None else None
+        trainer.validate(module, datamodule=datamodule, verbose=False) if ckpt is None and outside_fit else None
         start_loss = trainer.callback_metrics.get("val/loss")
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
         if trainer.global_step % int(cfg.trainer.checkpoint_every_n_steps):
@@ -388,7 +403,7 @@ def train(cfg: DictConfig) -> dict:
             # 28610, last.ckpt would hold step 28000 while val/loss and eval.after_train speak of step 28610.
             for name in (f"step{trainer.global_step:07d}.ckpt", "last.ckpt"):
                 trainer.save_checkpoint(ckpt_dir / name)
-        if trainer.global_step % int(cfg.trainer.val_every_n_steps):  # the final weights get a validation too
+        if trainer.global_step % int(cfg.trainer.val_every_n_steps) and outside_fit:  # the final weights too
             trainer.validate(module, datamodule=datamodule, verbose=False)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         if start_loss is not None:

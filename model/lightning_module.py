@@ -142,6 +142,15 @@ class LitDecoder(L.LightningModule):
         if self.tokenizer_json is not None:
             checkpoint["tokenizer"] = self.tokenizer_json
         checkpoint["loss_only_after"] = self.loss_only_after
+        if self._trainer is not None:
+            checkpoint["layout"] = self._layout()
+
+    def _layout(self) -> dict:
+        """How the steps were cut: a resume with another world size or accumulation does not continue the data
+        order; under FSDP the optimizer state is numbered in another order."""
+        trainer = self.trainer
+        return {"world_size": trainer.world_size, "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                "fsdp": "FSDP" in type(trainer.strategy).__name__}
 
     def on_load_checkpoint(self, checkpoint):
         saved_tokenizer = checkpoint.get("tokenizer")
@@ -156,6 +165,22 @@ class LitDecoder(L.LightningModule):
                                   "with the data config it was trained on, or give data.tokenizer.path=<that run's "
                                   "tokenizer.json, in its data cache folder>")
         self.tokenizer_json = self.tokenizer_json or saved_tokenizer
+        saved_layout = checkpoint.get("layout")
+        if saved_layout and self._trainer is not None:
+            now = self._layout()
+            if saved_layout["fsdp"] != now["fsdp"]:
+                from model.config import ConfigError
+
+                raise ConfigError("trainer.strategy", type(self.trainer.strategy).__name__,
+                                  f"the checkpoint was written {'under' if saved_layout['fsdp'] else 'without'} FSDP, "
+                                  "whose optimizer state Lightning numbers in another order; resume with the "
+                                  "strategy it was trained with")
+            changed = [f"{k}: {saved_layout[k]} -> {now[k]}" for k in ("world_size", "accumulate_grad_batches")
+                       if saved_layout[k] != now[k]]
+            if changed:
+                rank_zero_warn("resuming with another layout (" + "; ".join(changed) + "): the data order does not "
+                               "continue exactly, and some batches may be seen twice; keep trainer.devices, "
+                               "trainer.num_nodes and optim.tokens_per_step for an exact resume")
         _check_resumed_config(checkpoint.get("hyper_parameters") or {}, dict(self.hparams))
         saved = checkpoint.get("loss_only_after")  # absent in older checkpoints: they trained on every token
         if saved != self.loss_only_after:

@@ -82,7 +82,8 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("attention.eval_seed=first", "attention.eval_seed"),
         ("attention.per_sequence_perm=1", "attention.per_sequence_perm"),
         ("eval.after_train=true eval.tasks=[wikitext,hellaswg]", "eval.tasks"),  # before training, not after
-        *([("attention.backend=flex", "attention.backend"), ("trainer.precision=16-mixed", "trainer.precision")]
+        *([("attention.backend=flex", "attention.backend"), ("trainer.precision=16-mixed", "trainer.precision"),
+           ("trainer=fsdp trainer.accelerator=cpu trainer.devices=2", "trainer.strategy")]
           if not torch.cuda.is_available() else []),  # no FlexAttention backward, no fp16 autocast on the CPU
         *([("trainer=ddp", "trainer.accelerator")] if not torch.cuda.is_available() else []),  # a GPU preset on CPU
     ],

@@ -588,3 +588,16 @@ def test_sigterm_saves_the_step_reached_exits_143_and_resumes_exactly(accumulate
     assert sorted(resumed) == sorted(whole) == list(range(step + 2))
     for s in whole:
         assert abs(resumed[s] - whole[s]) <= 1e-6, s
+
+
+def test_a_resume_on_another_layout_is_warned_about(tmp_path, corpus_file, data_cache):
+    """Another accumulation (or world size) starts the data stream at another index: batches may repeat. The
+    checkpoint did not record how its steps were cut, so the change went unnoticed."""
+    common = TINY + ["attention=sa", "attention.window=8", "optim.schedule_steps=6", "trainer.val_every_n_steps=3"]
+    run = tmp_path / "run"
+    train(compose_train(common + ["trainer.max_steps=3"], run, corpus_file, data_cache))
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert saved["layout"] == {"world_size": 1, "accumulate_grad_batches": 1, "fsdp": False}
+    with pytest.warns(UserWarning, match=r"another layout \(accumulate_grad_batches: 1 -> 2\)"):
+        train(compose_train(common + ["trainer.max_steps=4", "resume=auto", "trainer.accumulate_grad_batches=2"],
+                            run, corpus_file, data_cache))
