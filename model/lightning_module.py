@@ -344,25 +344,55 @@ class LitDecoder(L.LightningModule):
 
 
 class CheckpointOnSigterm(L.Callback):
-    """On SIGTERM (scancel, preemption) Lightning stops after the current batch; the newest checkpoint was then the
-    last periodic one, hundreds of steps back. This saves one at the step reached, as train.py's own final save
-    names them. A signal between the micro-batches of an accumulated step is held back to the step's end (a
-    checkpoint mid-step would not resume exactly); Lightning reads the flag at the end of every batch."""
+    """SIGTERM (scancel, preemption): stop at the end of the current optimizer step, on every rank together, and
+    save a checkpoint there, as train.py's own final save names them.
+
+    Lightning's own handler stopped after whatever batch was running (mid-step under accumulation: nothing could
+    be saved that would resume exactly), and with several ranks it ran a collective inside the signal handler:
+    scancel signals every rank, the collectives no longer matched, and the job hung (3 runs of 4). This handler
+    only notes the signal; at each step's end the ranks agree on it (one all-reduce) and then raise Lightning's own
+    stop flag together, which Lightning reads at the end of that batch."""
 
     def __init__(self, ckpt_dir):
         self.ckpt_dir = ckpt_dir
-        self._held = False
+        self._signalled = False
+        self._previous = None
+
+    def on_train_start(self, trainer, pl_module):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
+            self._previous = signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum, frame):
+        self._signalled = True
+
+    def on_train_end(self, trainer, pl_module):
+        self._restore()
+
+    def _restore(self):
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        connector = trainer._signal_connector
-        if connector.received_sigterm and pl_module._loss_count:  # mid-step: let the step finish
-            connector.received_sigterm, self._held = False, True
-        elif self._held and not pl_module._loss_count:
-            connector.received_sigterm, self._held = True, False
+        if pl_module._loss_count:  # between the micro-batches of a step: wait for its end
+            return
+        stop = self._signalled
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            flag = torch.tensor([float(stop)], device=pl_module.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # one rank signalled: all stop
+            stop = bool(flag.item())
+        if stop:
+            trainer._signal_connector.received_sigterm = True
 
     def on_exception(self, trainer, pl_module, exception):
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+        self._restore()
         if not isinstance(exception, SIGTERMException) or pl_module._loss_count or not trainer.training:
             return
         for name in (f"step{trainer.global_step:07d}.ckpt", "last.ckpt"):

@@ -1,5 +1,6 @@
 """Training end to end on CPU with the real Lightning Trainer and the real configs, at tiny sizes."""
 
+import contextlib
 import csv
 import os
 import subprocess
@@ -601,3 +602,36 @@ def test_a_resume_on_another_layout_is_warned_about(tmp_path, corpus_file, data_
     with pytest.warns(UserWarning, match=r"another layout \(accumulate_grad_batches: 1 -> 2\)"):
         train(compose_train(common + ["trainer.max_steps=4", "resume=auto", "trainer.accumulate_grad_batches=2"],
                             run, corpus_file, data_cache))
+
+
+def test_sigterm_to_every_rank_of_a_ddp_job_stops_them_together(tmp_path, corpus_file, data_cache):
+    """scancel signals every rank; Lightning's handler ran a collective inside the signal handler on each, the
+    collectives no longer matched and the job hung (3 runs of 4). Now the ranks agree at a step's end."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "ddp"
+    args = cli_tiny(corpus_file, data_cache) + ["trainer=ddp_cpu", "attention=sa", "attention.window=8",
+                                                "optim.schedule_steps=50", "trainer.val_every_n_steps=1000",
+                                                "trainer.checkpoint_every_n_steps=4", "logger=csv",
+                                                f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, "trainer.max_steps=100000"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: the ranks, as a job step's
+    try:
+        deadline = time.time() + 300
+        while not (run_dir / "checkpoints" / "step0000004.ckpt").is_file() and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143 and "SIGTERM: saved" in err, err[-3000:]
+    step = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["global_step"]
+    assert step > 4
+    res = run_cli(args + [f"trainer.max_steps={step + 2}", "resume=auto"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(read_run_metrics(run_dir / "metrics.csv")["train/loss"]) == list(range(step + 2))
