@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -293,6 +294,36 @@ def _resume_checkpoint(cfg, ckpt_dir: Path):
     return None
 
 
+def _data_config(cfg: DictConfig, ckpt: str | None, console) -> DictConfig:
+    """cfg.data, or, resuming from a checkpoint whose tokenizer this config would not rebuild (the data prepared
+    anew: another corpus, other tokenizer settings, a preparation format of another version of this code), cfg.data
+    with that tokenizer: the weights belong to its token ids. A cache that already holds it is used as it is."""
+    from data.prepare import prepared_root
+    from data.shards import atomic_write_text
+    from model.lightning_module import same_tokenizer
+
+    if ckpt is None or cfg.data.tokenizer.get("path"):
+        return cfg.data
+    import torch
+
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True).get("tokenizer")
+    if saved is None:
+        return cfg.data
+    root = prepared_root(cfg.data, cfg.data.cache_dir)
+    if (root / "meta.json").is_file() and same_tokenizer(saved, (root / "tokenizer.json").read_text()):
+        return cfg.data
+    digest = hashlib.sha256(saved.encode()).hexdigest()[:16]
+    path = Path(cfg.data.cache_dir) / "checkpoint_tokenizers" / f"{digest}.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, saved)
+    console.print(f"[yellow]resume[/]: the data is tokenized with the checkpoint's tokenizer ({path}); this config "
+                  "would train another")
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    data["tokenizer"]["path"] = str(path)
+    return OmegaConf.create(data)
+
+
 def train(cfg: DictConfig) -> dict:
     """Compose -> validate -> prepare data -> fit. Returns the final metrics."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -331,7 +362,7 @@ def train(cfg: DictConfig) -> dict:
     world = int(cfg.trainer.num_nodes) * _device_count(devices, use_cuda)
     accumulate = _accumulation(cfg, world)  # refused here, before the data preparation, if it does not divide
 
-    data = prepare(cfg.data, cfg.data.cache_dir)
+    data = prepare(_data_config(cfg, _resume_checkpoint(cfg, ckpt_dir), console), cfg.data.cache_dir)
     if data.vocab_size > model_cfg.vocab_size:
         raise ConfigError("model.vocab_size", model_cfg.vocab_size,
                           f"smaller than the tokenizer's vocabulary ({data.vocab_size}); "

@@ -110,7 +110,7 @@ def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
     job, or sweep jobs started side by side) wait for the one that builds them instead of all tokenizing."""
     cfg = _plain(cfg)
     validate_data_config(cfg)
-    root = Path(cache_dir) / f"{cfg['source']['kind']}-{cache_key(cfg)}"
+    root = prepared_root(cfg, cache_dir)
     if (root / "meta.json").is_file():
         return _load_prepared(root)
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -118,6 +118,12 @@ def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
         if (root / "meta.json").is_file():  # built while we waited
             return _load_prepared(root)
         return _build(cfg, root, progress)
+
+
+def prepared_root(cfg, cache_dir: str | Path) -> Path:
+    """Where prepare() keeps (or would build) the shards of `cfg`."""
+    cfg = _plain(cfg)
+    return Path(cache_dir) / f"{cfg['source']['kind']}-{cache_key(cfg)}"
 
 
 @contextmanager

@@ -160,10 +160,9 @@ class LitDecoder(L.LightningModule):
 
                 # the checkpoint's embeddings belong to its token ids: new ids would train on, silently, and every
                 # later checkpoint would carry a tokenizer its data was not made with
-                raise ConfigError("data.tokenizer", "this run's", "the checkpoint was trained with another tokenizer "
-                                  "(the data was prepared anew: another source, tokenizer settings or corpus); resume "
-                                  "with the data config it was trained on, or give data.tokenizer.path=<that run's "
-                                  "tokenizer.json, in its data cache folder>")
+                raise ConfigError("data.tokenizer.path", "this run's", "the checkpoint was trained with another "
+                                  "tokenizer; leave data.tokenizer.path null (a resume then tokenizes with the "
+                                  "checkpoint's) or give the tokenizer.json it was trained with")
         self.tokenizer_json = self.tokenizer_json or saved_tokenizer
         saved_layout = checkpoint.get("layout")
         if saved_layout and self._trainer is not None:

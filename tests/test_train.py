@@ -123,15 +123,37 @@ def test_resuming_with_another_config_is_warned_about_or_refused(tmp_path, corpu
     with pytest.raises(ConfigError, match="model.n_layers"):
         train(compose_train(common + ["attention.window=4", "trainer.max_steps=4", "resume=auto", "model.n_layers=3",
                                       "optim.schedule_steps=3"], run, corpus_file, data_cache))
-    # another tokenizer (the data prepared anew): the checkpoint's embeddings belong to its own token ids
+    # another tokenizer, given: the checkpoint's embeddings belong to its own token ids
+    from data.prepare import prepare
+
+    other = prepare(compose_train(TINY + ["data.tokenizer.vocab_size=300"], tmp_path / "o", corpus_file,
+                                  data_cache).data, data_cache, progress=False).tokenizer_path
     with pytest.raises(ConfigError, match="data.tokenizer.*another tokenizer"):
         train(compose_train(common + ["attention.window=4", "trainer.max_steps=4", "resume=auto",
-                                      "optim.schedule_steps=3", "data.tokenizer.vocab_size=300"], run, corpus_file,
+                                      "optim.schedule_steps=3", f"data.tokenizer.path={other}"], run, corpus_file,
                             data_cache))
     with pytest.warns(UserWarning, match=r"seed: 0 -> 1 .*data.val_windows: 4 -> 2"):
         train(compose_train(common + ["attention.window=4", "trainer.max_steps=4", "resume=auto",
                                       "optim.schedule_steps=3", "seed=1", "data.val_windows=2"], run, corpus_file,
                             data_cache))
+
+
+def test_a_resume_on_data_prepared_anew_keeps_the_checkpoints_tokenizer(tmp_path, corpus_file, data_cache):
+    """Data prepared anew trains another tokenizer (here: another vocabulary size; after an update of the
+    preparation format, the same config): the resume tokenizes with the checkpoint's, whose ids the weights know,
+    and continues. Before, the weights trained on in silence on new ids (and later, the resume was refused)."""
+    common = TINY + ["attention=sa", "attention.window=8", "optim.schedule_steps=6", "trainer.val_every_n_steps=3"]
+    run = tmp_path / "run"
+    train(compose_train(common + ["trainer.max_steps=3"], run, corpus_file, data_cache))
+    first = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["tokenizer"]
+    with pytest.warns(UserWarning, match="data.tokenizer"):
+        train(compose_train(common + ["trainer.max_steps=5", "resume=auto", "data.tokenizer.vocab_size=300"], run,
+                            corpus_file, data_cache))
+    from model.lightning_module import same_tokenizer
+
+    after = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert after["global_step"] == 5 and same_tokenizer(after["tokenizer"], first)
+    assert sorted(read_run_metrics(run / "metrics.csv")["train/loss"]) == list(range(5))
 
 
 def test_a_resume_with_another_learning_rate_or_weight_decay_applies_them(tmp_path, corpus_file, data_cache):
