@@ -248,8 +248,12 @@ EARLIER_RUN_FILES = ("metrics.csv", "hparams.yaml", "config.yaml", "git_revision
 
 
 def _is_global_zero_from_env() -> bool:
-    """Rank zero before the Trainer has set up its ranks: torchrun's RANK, srun's SLURM_PROCID, else every node and
-    local rank variable at 0 (Lightning's launcher, a hand-set NODE_RANK)."""
+    """Rank zero before the Trainer has set up its ranks: not when a node or local rank variable is set and not 0
+    (Lightning's launcher sets them in the processes it starts, where an SLURM_PROCID inherited from `srun --pty`
+    still reads 0), else torchrun's RANK or srun's SLURM_PROCID, else yes."""
+    if any(int(os.environ[key]) for key in ("NODE_RANK", "GROUP_RANK", "LOCAL_RANK")
+           if os.environ.get(key, "").isdigit()):
+        return False
     for key in ("RANK", "SLURM_PROCID"):
         if os.environ.get(key, "").isdigit():
             return int(os.environ[key]) == 0

@@ -657,3 +657,17 @@ def test_sigterm_to_every_rank_of_a_ddp_job_stops_them_together(tmp_path, corpus
     res = run_cli(args + [f"trainer.max_steps={step + 2}", "resume=auto"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(read_run_metrics(run_dir / "metrics.csv")["train/loss"]) == list(range(step + 2))
+
+
+@pytest.mark.parametrize("env,zero", [({}, True), ({"RANK": "0", "LOCAL_RANK": "0"}, True), ({"RANK": "3"}, False),
+                                      ({"SLURM_PROCID": "1"}, False), ({"SLURM_PROCID": "0"}, True),
+                                      ({"SLURM_PROCID": "0", "LOCAL_RANK": "1"}, False),  # srun --pty, Lightning's child
+                                      ({"SLURM_PROCID": "0", "NODE_RANK": "2"}, False)])
+def test_rank_zero_is_read_from_the_launchers_variables(env, zero, monkeypatch):
+    from train import _is_global_zero_from_env
+
+    for key in ("RANK", "SLURM_PROCID", "NODE_RANK", "GROUP_RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert _is_global_zero_from_env() is zero
