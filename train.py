@@ -394,9 +394,10 @@ def train(cfg: DictConfig) -> dict:
         from model.decoder import Block
 
         strategy = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD")
+    sigterm = CheckpointOnSigterm(ckpt_dir)
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, filename="step{step:07d}", auto_insert_metric_name=False,
                                  every_n_train_steps=int(cfg.trainer.checkpoint_every_n_steps), save_top_k=-1,
-                                 save_last=True), CheckpointOnSigterm(ckpt_dir)]
+                                 save_last=True), sigterm]
     if cfg.trainer.progress_bar:
         callbacks.append(RichProgressBar(leave=True))
     ckpt = _resume_checkpoint(cfg, ckpt_dir)
@@ -438,6 +439,10 @@ def train(cfg: DictConfig) -> dict:
             # 28610, last.ckpt would hold step 28000 while val/loss and eval.after_train speak of step 28610.
             for name in (f"step{trainer.global_step:07d}.ckpt", "last.ckpt"):
                 trainer.save_checkpoint(ckpt_dir / name)
+        if trainer.strategy.reduce_boolean_decision(sigterm.signalled, all=False):  # came after the last step
+            from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+            raise SIGTERMException()  # the final checkpoint is saved: no validation or evaluation after it
         if trainer.global_step % int(cfg.trainer.val_every_n_steps) and outside_fit:  # the final weights too
             trainer.validate(module, datamodule=datamodule, verbose=False)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -343,57 +343,57 @@ class LitDecoder(L.LightningModule):
 
 
 class CheckpointOnSigterm(L.Callback):
-    """SIGTERM (scancel, preemption): stop at the end of the current optimizer step, on every rank together, and
-    save a checkpoint there, as train.py's own final save names them.
+    """SIGTERM (scancel, preemption): stop at the end of the current optimizer step (after its validation, if one
+    is due), on every rank together, and save a checkpoint there, as train.py's own final save names them.
 
     Lightning's own handler stopped after whatever batch was running (mid-step under accumulation: nothing could
-    be saved that would resume exactly), and with several ranks it ran a collective inside the signal handler:
-    scancel signals every rank, the collectives no longer matched, and the job hung (3 runs of 4). This handler
-    only notes the signal; at each step's end the ranks agree on it (one all-reduce) and then raise Lightning's own
-    stop flag together, which Lightning reads at the end of that batch."""
+    be saved that would resume exactly), stopped a validation midway (nothing saved either), and with several ranks
+    it ran a collective inside the signal handler: scancel signals every rank, the collectives no longer matched,
+    and the job hung (3 runs of 4). Here the handler only notes the signal (installed in setup, before Lightning
+    registers its handlers, for every stage); at each step's end the ranks agree on it (one all-reduce) and raise
+    Lightning's own stop flag together, which Lightning reads at the end of that step's batch."""
 
     def __init__(self, ckpt_dir):
         self.ckpt_dir = ckpt_dir
-        self._signalled = False
-        self._previous = None
+        self.signalled = False  # this rank received SIGTERM
+        self._stopping = False  # the ranks agreed to stop after the validation that follows this step
 
-    def on_train_start(self, trainer, pl_module):
-        import signal
-        import threading
-
-        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
-            self._previous = signal.signal(signal.SIGTERM, self._note)
+    def setup(self, trainer, pl_module, stage):
+        trainer._signal_connector._sigterm_notifier_fn = self._note
 
     def _note(self, signum, frame):
-        self._signalled = True
-
-    def on_train_end(self, trainer, pl_module):
-        self._restore()
-
-    def _restore(self):
-        import signal
-
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        self.signalled = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if pl_module._loss_count:  # between the micro-batches of a step: wait for its end
             return
-        stop = self._signalled
+        stop = self.signalled
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             flag = torch.tensor([float(stop)], device=pl_module.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # one rank signalled: all stop
             stop = bool(flag.item())
-        if stop:
+        if stop and _validation_follows(trainer):
+            self._stopping = True  # Lightning would stop the validation midway, where nothing can be saved
+        elif stop:
             trainer._signal_connector.received_sigterm = True
+
+    def on_validation_end(self, trainer, pl_module):
+        if self._stopping and trainer.state.fn == "fit":
+            trainer._signal_connector.received_sigterm = True  # read right after this validation
 
     def on_exception(self, trainer, pl_module, exception):
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-        self._restore()
         if not isinstance(exception, SIGTERMException) or pl_module._loss_count or not trainer.training:
             return
         for name in (f"step{trainer.global_step:07d}.ckpt", "last.ckpt"):
             trainer.save_checkpoint(self.ckpt_dir / name)
         rank_zero_warn(f"SIGTERM: saved {self.ckpt_dir / 'last.ckpt'} at step {trainer.global_step}")
+
+
+def _validation_follows(trainer) -> bool:
+    """Whether Lightning validates after this training batch (its own test, a private one: False where absent)."""
+    try:
+        return bool(trainer.fit_loop.epoch_loop._should_check_val_fx(None))
+    except Exception:  # noqa: BLE001 - another Lightning: stop at once, as its own handler would
+        return False

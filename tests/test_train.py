@@ -575,17 +575,19 @@ def test_training_without_eval_data_still_succeeds(tmp_path, corpus_file, data_c
     assert "val/ppl" in metrics
 
 
-@pytest.mark.parametrize("accumulate", [1, 3])
-def test_sigterm_saves_the_step_reached_exits_143_and_resumes_exactly(accumulate, tmp_path, corpus_file, data_cache):
+@pytest.mark.parametrize("accumulate,val_every", [(1, 1), (3, 1000)])
+def test_sigterm_saves_the_step_reached_exits_143_and_resumes_exactly(accumulate, val_every, tmp_path, corpus_file,
+                                                                        data_cache):
     """Lightning stops on SIGTERM (scancel, preemption) with exit code 0 and no checkpoint of the step reached: a
     sweep went on to its next job as if this one had finished, and the resume went back to the periodic checkpoint.
-    With accumulation the signal mostly arrives mid-step: the stop waits for the step's end."""
+    With accumulation the signal mostly arrives mid-step: the stop waits for the step's end. Validating every step,
+    Lightning stopped inside the validation, where nothing was saved: the stop waits for the validation's end."""
     import signal
     import time
 
     run_dir = tmp_path / "run"
-    settings = ["attention=sa", "attention.window=8", "optim.schedule_steps=50", "trainer.val_every_n_steps=1000",
-                f"trainer.accumulate_grad_batches={accumulate}"]
+    settings = ["attention=sa", "attention.window=8", "optim.schedule_steps=50", "data.val_batch_size=1",
+                f"trainer.val_every_n_steps={val_every}", f"trainer.accumulate_grad_batches={accumulate}"]
     common = cli_tiny(corpus_file, data_cache) + settings + ["logger=csv", "trainer.checkpoint_every_n_steps=4",
                                                              f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
