@@ -107,9 +107,6 @@ def _check_trainer_and_optim(cfg: DictConfig):
                               "trainer=ddp_cpu (several processes) or trainer.accelerator=cpu")
     if not isinstance(t.get("compile", False), bool):
         raise ConfigError("trainer.compile", t.compile, "true or false (torch.compile every decoder block)")
-    if t.strategy == "fsdp" and (t.accelerator == "cpu" or not _cuda_available()):
-        raise ConfigError("trainer.strategy", "fsdp", "FSDP needs CUDA GPUs (torch has no CPU FSDP); on the CPU use "
-                          "trainer=ddp_cpu")
     if t.get("compile") and cfg.attention.backend == "flex":
         raise ConfigError("trainer.compile", True, "attention.backend=flex compiles its own kernel; use backend "
                           "auto, torch or triton with a compiled model")
@@ -139,12 +136,6 @@ def _check_trainer_and_optim(cfg: DictConfig):
         raise ConfigError("optim.tokens_per_step", o.tokens_per_step, "must be a positive integer (or null)")
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _check_cpu_training(cfg: DictConfig):
     """Training on the CPU: what the kernels and Lightning refuse there only after the data is prepared."""
     import torch
@@ -155,6 +146,9 @@ def _check_cpu_training(cfg: DictConfig):
     accelerator = cfg.trainer.accelerator
     if accelerator in ("gpu", "cuda", "mps") or (accelerator == "auto" and torch.cuda.is_available()):
         return
+    if cfg.trainer.strategy == "fsdp":
+        raise ConfigError("trainer.strategy", "fsdp", "FSDP needs CUDA GPUs (torch has no CPU FSDP); on the CPU use "
+                          "trainer=ddp_cpu")
     backend = cfg.attention.backend
     if backend == "triton" and not triton_interpreting():
         raise ConfigError("attention.backend", backend, "the Triton kernels need a CUDA GPU (TRITON_INTERPRET=1 runs "
@@ -336,12 +330,13 @@ def train(cfg: DictConfig) -> dict:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
     from rich.console import Console
 
     from data.datamodule import TokenDataModule
     from data.prepare import prepare
     from model.config import ConfigError
-    from model.lightning_module import CheckpointOnSigterm, LitDecoder
+    from model.lightning_module import CheckpointOnSigterm, LitDecoder, save_step_checkpoint
 
     console = Console(stderr=True, soft_wrap=True)  # one message, one line (logs are grepped)
     run_dir = Path(cfg.paths.run_dir)
@@ -366,7 +361,8 @@ def train(cfg: DictConfig) -> dict:
     world = int(cfg.trainer.num_nodes) * _device_count(devices, use_cuda)
     accumulate = _accumulation(cfg, world)  # refused here, before the data preparation, if it does not divide
 
-    data = prepare(_data_config(cfg, _resume_checkpoint(cfg, ckpt_dir), console), cfg.data.cache_dir)
+    ckpt = _resume_checkpoint(cfg, ckpt_dir)
+    data = prepare(_data_config(cfg, ckpt, console), cfg.data.cache_dir)
     if data.vocab_size > model_cfg.vocab_size:
         raise ConfigError("model.vocab_size", model_cfg.vocab_size,
                           f"smaller than the tokenizer's vocabulary ({data.vocab_size}); "
@@ -400,7 +396,6 @@ def train(cfg: DictConfig) -> dict:
                                  save_last=True), sigterm]
     if cfg.trainer.progress_bar:
         callbacks.append(RichProgressBar(leave=True))
-    ckpt = _resume_checkpoint(cfg, ckpt_dir)
     if cfg.resume == "auto" and ckpt is None:
         console.print(f"[yellow]resume=auto[/]: no checkpoint in {ckpt_dir}; starting from step 0")
     # A run continues its own history only from one of its own checkpoints. Otherwise an earlier run's checkpoints
@@ -437,11 +432,8 @@ def train(cfg: DictConfig) -> dict:
         if trainer.global_step % int(cfg.trainer.checkpoint_every_n_steps):
             # ModelCheckpoint writes last.ckpt at train end only when the fit saved nothing: after step 28000 of
             # 28610, last.ckpt would hold step 28000 while val/loss and eval.after_train speak of step 28610.
-            for name in (f"step{trainer.global_step:07d}.ckpt", "last.ckpt"):
-                trainer.save_checkpoint(ckpt_dir / name)
+            save_step_checkpoint(trainer, ckpt_dir)
         if trainer.strategy.reduce_boolean_decision(sigterm.signalled, all=False):  # came after the last step
-            from lightning.pytorch.utilities.exceptions import SIGTERMException
-
             raise SIGTERMException()  # the final checkpoint is saved: no validation or evaluation after it
         if trainer.global_step % int(cfg.trainer.val_every_n_steps) and outside_fit:  # the final weights too
             trainer.validate(module, datamodule=datamodule, verbose=False)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 
-from model.config import AttentionConfig, ModelConfig
+from model.config import AttentionConfig, ConfigError, ModelConfig
 from model.decoder import Decoder
 
 # Dense bf16 peak FLOP/s per device (the SXM / flagship parts), for model FLOPs utilisation, matched on the whole
@@ -70,8 +70,6 @@ def _check_resumed_config(saved: dict, now: dict) -> None:
     weights are loaded; any other change is warned about, the schedule's length with how to keep the old one."""
     from dataclasses import asdict
 
-    from model.config import ConfigError
-
     changes = []
     if saved.get("seed", now.get("seed")) != now.get("seed"):
         changes.append(f"seed: {saved['seed']!r} -> {now.get('seed')!r} (the data order and SA's permutations follow "
@@ -125,9 +123,8 @@ class LitDecoder(L.LightningModule):
         self._last_time = None
         self._save_started = None
         self._peak = None
-        # FLOPs per token by sequence length, counted here, on the whole model: under FSDP a parameter outside the
-        # forward holds only this rank's shard, and a count taken then shrank MFU by the world size
-        self._flops_per_token = {}
+        # counted here, on the whole model: under FSDP a parameter outside the forward holds only this rank's shard,
+        # and a count taken then shrank MFU by the world size
         self._params_non_embedding = self.model.num_parameters(non_embedding=True)
         self._loss_sum, self._loss_count = None, 0  # the micro-batch losses of the current optimizer step
         self.tokenizer_json: str | None = None  # saved inside every checkpoint, so a checkpoint alone can be evaluated
@@ -156,8 +153,6 @@ class LitDecoder(L.LightningModule):
         saved_tokenizer = checkpoint.get("tokenizer")
         if saved_tokenizer is not None and self.tokenizer_json is not None:
             if not same_tokenizer(saved_tokenizer, self.tokenizer_json):
-                from model.config import ConfigError
-
                 # the checkpoint's embeddings belong to its token ids: new ids would train on, silently, and every
                 # later checkpoint would carry a tokenizer its data was not made with
                 raise ConfigError("data.tokenizer.path", "this run's", "the checkpoint was trained with another "
@@ -168,8 +163,6 @@ class LitDecoder(L.LightningModule):
         if saved_layout and self._trainer is not None:
             now = self._layout()
             if saved_layout["fsdp"] != now["fsdp"]:
-                from model.config import ConfigError
-
                 raise ConfigError("trainer.strategy", type(self.trainer.strategy).__name__,
                                   f"the checkpoint was written {'under' if saved_layout['fsdp'] else 'without'} FSDP, "
                                   "whose optimizer state Lightning numbers in another order; resume with the "
@@ -183,8 +176,6 @@ class LitDecoder(L.LightningModule):
         _check_resumed_config(checkpoint.get("hyper_parameters") or {}, dict(self.hparams))
         saved = checkpoint.get("loss_only_after")  # absent in older checkpoints: they trained on every token
         if saved != self.loss_only_after:
-            from model.config import ConfigError
-
             raise ConfigError("data.loss_only_after", self.loss_only_after,
                               f"the checkpoint was trained with {saved!r}; resume with the same objective")
 
@@ -278,9 +269,7 @@ class LitDecoder(L.LightningModule):
         self._last_time, self._save_started = now, None
 
     def _flops(self, seq_len: int) -> float:
-        if seq_len not in self._flops_per_token:
-            self._flops_per_token[seq_len] = self.model.flops_per_token(seq_len, self._params_non_embedding)
-        return self._flops_per_token[seq_len]
+        return self.model.flops_per_token(seq_len, self._params_non_embedding)
 
     def on_validation_end(self):
         if self._last_time is not None:  # inside fit: the next step's time starts after the validation
@@ -342,6 +331,12 @@ class LitDecoder(L.LightningModule):
             self._loss_sum, self._loss_count = None, 0
 
 
+def save_step_checkpoint(trainer, ckpt_dir) -> None:
+    """step<N>.ckpt and last.ckpt at the step reached, named as ModelCheckpoint names its own."""
+    for name in (f"step{trainer.global_step:07d}.ckpt", "last.ckpt"):
+        trainer.save_checkpoint(ckpt_dir / name)
+
+
 class CheckpointOnSigterm(L.Callback):
     """SIGTERM (scancel, preemption): stop at the end of the current optimizer step (after its validation, if one
     is due), on every rank together, and save a checkpoint there, as train.py's own final save names them.
@@ -386,8 +381,7 @@ class CheckpointOnSigterm(L.Callback):
 
         if not isinstance(exception, SIGTERMException) or pl_module._loss_count or not trainer.training:
             return
-        for name in (f"step{trainer.global_step:07d}.ckpt", "last.ckpt"):
-            trainer.save_checkpoint(self.ckpt_dir / name)
+        save_step_checkpoint(trainer, self.ckpt_dir)
         rank_zero_warn(f"SIGTERM: saved {self.ckpt_dir / 'last.ckpt'} at step {trainer.global_step}")
 
 

@@ -62,12 +62,14 @@ def run_rows(runs: list[Run]) -> tuple[list[dict], list[str]]:
     return rows, eval_keys
 
 
+def _stopped_early(row: dict) -> bool:
+    """A run that stopped before trainer.max_steps (killed, or still running)."""
+    return row["steps"] is not None and row["planned_steps"] is not None and row["steps"] < row["planned_steps"]
+
+
 def _steps(row: dict) -> str:
-    """Steps run, as "430/1500" for a run that stopped before trainer.max_steps (killed, or still running)."""
-    done, planned = row["steps"], row.get("planned_steps")
-    if done is not None and planned is not None and done < planned:
-        return f"{done}/{planned}"
-    return _num(done, "{}")
+    """Steps run, as "430/1500" for a run that stopped early."""
+    return f"{row['steps']}/{row['planned_steps']}" if _stopped_early(row) else _num(row["steps"], "{}")
 
 
 def markdown_table(rows: list[dict], eval_keys: list[str]) -> str:
@@ -192,10 +194,9 @@ def compare(paths, out: Path | None = None, plots: bool = True) -> dict:
             r.label = f"{r.config.get('task_name')}: "
     label_differences(runs)
     rows, eval_keys = run_rows(runs)
-    for r in rows:
-        if r["steps"] is not None and r["planned_steps"] is not None and r["steps"] < r["planned_steps"]:
-            print(f"warning: {r['run']} stopped at step {r['steps']} of {r['planned_steps']} (killed, or still "
-                  "running): its final values are not the configured run's", file=sys.stderr)
+    for r in filter(_stopped_early, rows):
+        print(f"warning: {r['run']} stopped at step {r['steps']} of {r['planned_steps']} (killed, or still running): "
+              "its final values are not the configured run's", file=sys.stderr)
     text = ("## Runs\n\n" + markdown_table(rows, eval_keys) + "\n\n## Per configuration (mean ± std over seeds)\n\n"
             + summary_table(rows, eval_keys) + "\n\nFinal values = last logged; tokens/s = median over the run; "
             "params rebuilt from config.yaml on the meta device.\n")
