@@ -112,6 +112,12 @@ def _check_trainer_and_optim(cfg: DictConfig):
                           "auto, torch or triton with a compiled model")
     if int(t.num_nodes) < 1:
         raise ConfigError("trainer.num_nodes", t.num_nodes, "must be a positive integer")
+    keep = t.get("keep_checkpoints")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ConfigError("trainer.keep_checkpoints", keep, "how many of the newest step checkpoints stay whole, "
+                          ">= 1 (null: every one)")
+    if not isinstance(t.get("keep_weights", True), bool):
+        raise ConfigError("trainer.keep_weights", t.keep_weights, "true or false")
     _check_cpu_training(cfg)
     if not float(o.lr) > 0:
         raise ConfigError("optim.lr", o.lr, "must be positive")
@@ -127,7 +133,14 @@ def _check_trainer_and_optim(cfg: DictConfig):
     schedule = int(steps or t.max_steps)
     if int(o.warmup_steps) >= schedule:  # legal (short test runs), but rarely meant
         print(f"warning: optim.warmup_steps={o.warmup_steps} >= the schedule's {schedule} steps: the learning rate "
-              "never leaves warmup (no cosine decay)", file=sys.stderr)
+              "never leaves warmup (no decay)", file=sys.stderr)
+    from model.lightning_module import SCHEDULES
+
+    if o.get("schedule", "cosine") not in SCHEDULES:
+        raise ConfigError("optim.schedule", o.schedule, f"one of {', '.join(SCHEDULES)}")
+    fraction = o.get("decay_fraction", 0.2)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ConfigError("optim.decay_fraction", fraction, "a share of the schedule's steps in (0, 1], e.g. 0.2")
     if not 0 <= float(o.min_lr_ratio) <= 1:
         raise ConfigError("optim.min_lr_ratio", o.min_lr_ratio, "must lie in [0, 1] (a fraction of optim.lr)")
     if o.get("grad_clip") is not None and float(o.grad_clip) < 0:
@@ -221,7 +234,7 @@ def _wandb_mode(requested: str) -> str:
     return "online" if has_key else "offline"
 
 
-def _loggers(cfg, run_dir: Path):
+def _loggers(cfg, run_dir: Path, resuming: bool):
     from lightning.pytorch.loggers import WandbLogger
 
     from model.csv_log import RunCSVLogger
@@ -234,11 +247,33 @@ def _loggers(cfg, run_dir: Path):
             os.environ["WANDB_MODE"] = mode
             loggers.append(WandbLogger(project=wb.project, entity=wb.entity, group=wb.group, name=cfg.run_name,
                                        tags=list(wb.tags), save_dir=str(run_dir), offline=mode == "offline",
-                                       config=OmegaConf.to_container(cfg, resolve=True)))
+                                       config=OmegaConf.to_container(cfg, resolve=True),
+                                       id=_wandb_run_id(run_dir, resuming), resume="allow"))
     return loggers
 
 
-EARLIER_RUN_FILES = ("metrics.csv", "hparams.yaml", "config.yaml", "git_revision.txt", "eval")
+WANDB_ID_FILE = "wandb_run_id.txt"
+
+
+def _wandb_run_id(run_dir: Path, resuming: bool) -> str:
+    """One W&B run per training run: a resume from this run's own checkpoint continues the W&B run it started (each
+    preemption opened a new one, which split the curves), a fresh run gets a new id. Rank zero keeps it in the run
+    directory; the other ranks log nothing to W&B."""
+    path = run_dir / WANDB_ID_FILE
+    if resuming and path.is_file():
+        return path.read_text().strip()
+    import uuid
+
+    from data.shards import atomic_write_text
+
+    run_id = uuid.uuid4().hex[:12]
+    if _is_global_zero_from_env():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, run_id + "\n")
+    return run_id
+
+
+EARLIER_RUN_FILES = ("metrics.csv", "hparams.yaml", "config.yaml", "git_revision.txt", "eval", WANDB_ID_FILE)
 
 
 def _is_global_zero_from_env() -> bool:
@@ -324,7 +359,6 @@ def _data_config(cfg: DictConfig, ckpt: str | None, console) -> DictConfig:
 
 def train(cfg: DictConfig) -> dict:
     """Compose -> validate -> prepare data -> fit. Returns the final metrics."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     model_cfg, attn_cfg = check_config(cfg)
 
     import lightning as L
@@ -336,15 +370,32 @@ def train(cfg: DictConfig) -> dict:
     from data.datamodule import TokenDataModule
     from data.prepare import prepare
     from model.config import ConfigError
-    from model.lightning_module import CheckpointOnSigterm, LitDecoder, save_step_checkpoint
+    from model.lightning_module import CheckpointOnSigterm, LitDecoder, PruneStepCheckpoints, save_step_checkpoint
 
     console = Console(stderr=True, soft_wrap=True)  # one message, one line (logs are grepped)
     run_dir = Path(cfg.paths.run_dir)
     ckpt_dir = run_dir / "checkpoints"
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
     accelerator = cfg.trainer.accelerator
     use_cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    devices = _devices(cfg)
+    world = int(cfg.trainer.num_nodes) * _device_count(devices, use_cuda)
+    accumulate = _accumulation(cfg, world)  # refused here, before the data preparation, if it does not divide
 
+    ckpt = _resume_checkpoint(cfg, ckpt_dir)
+    data = prepare(_data_config(cfg, ckpt, console), cfg.data.cache_dir)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no tokenizer thread pool in forked DataLoader workers
+    if data.vocab_size > model_cfg.vocab_size:
+        raise ConfigError("model.vocab_size", model_cfg.vocab_size,
+                          f"smaller than the tokenizer's vocabulary ({data.vocab_size}); "
+                          f"raise it to >= {data.vocab_size}")
+    console.print(f"[bold]data[/]: {data.meta['tokens']['train']:,} train / {data.meta['tokens']['val']:,} val tokens "
+                  f"in {data.root}")
+    if cfg.get("prepare_only"):
+        console.print("prepare_only=true: the data is prepared; a training run with the same data.* config and "
+                      "paths.cache_dir uses it as it is")
+        return {}
+
+    L.seed_everything(cfg.seed, workers=True, verbose=False)  # after the preparation: weights do not depend on it
     module = LitDecoder(model=OmegaConf.to_container(cfg.model, resolve=True),
                         attention=OmegaConf.to_container(cfg.attention, resolve=True),
                         optim=OmegaConf.to_container(cfg.optim, resolve=True), seed=cfg.seed,
@@ -357,22 +408,10 @@ def train(cfg: DictConfig) -> dict:
                   f"({module.model.num_parameters(non_embedding=True) / 1e6:.2f}M non-embedding), "
                   f"attention={attn_cfg.kind} window={attn_cfg.window} backend={attn_cfg.backend}")
 
-    devices = _devices(cfg)
-    world = int(cfg.trainer.num_nodes) * _device_count(devices, use_cuda)
-    accumulate = _accumulation(cfg, world)  # refused here, before the data preparation, if it does not divide
-
-    ckpt = _resume_checkpoint(cfg, ckpt_dir)
-    data = prepare(_data_config(cfg, ckpt, console), cfg.data.cache_dir)
-    if data.vocab_size > model_cfg.vocab_size:
-        raise ConfigError("model.vocab_size", model_cfg.vocab_size,
-                          f"smaller than the tokenizer's vocabulary ({data.vocab_size}); "
-                          f"raise it to >= {data.vocab_size}")
     module.tokenizer_json = data.tokenizer_path.read_text()
     if cfg.data.get("loss_only_after") is not None:
         module.loss_only_after = str(cfg.data.loss_only_after)
         module.loss_after_id = _loss_token(module.loss_only_after, data.tokenizer_path, data.val_shard)
-    console.print(f"[bold]data[/]: {data.meta['tokens']['train']:,} train / {data.meta['tokens']['val']:,} val tokens "
-                  f"in {data.root}")
 
     max_steps = int(cfg.trainer.max_steps)
     datamodule = TokenDataModule(data.train_shards, data.val_shard, seq_len=int(cfg.data.seq_len),
@@ -394,6 +433,9 @@ def train(cfg: DictConfig) -> dict:
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, filename="step{step:07d}", auto_insert_metric_name=False,
                                  every_n_train_steps=int(cfg.trainer.checkpoint_every_n_steps), save_top_k=-1,
                                  save_last=True), sigterm]
+    keep = cfg.trainer.get("keep_checkpoints")
+    prune = PruneStepCheckpoints(ckpt_dir, int(keep), bool(cfg.trainer.get("keep_weights", True))) if keep else None
+    callbacks += [prune] if prune else []
     if cfg.trainer.progress_bar:
         callbacks.append(RichProgressBar(leave=True))
     if cfg.resume == "auto" and ckpt is None:
@@ -401,11 +443,12 @@ def train(cfg: DictConfig) -> dict:
     # A run continues its own history only from one of its own checkpoints. Otherwise an earlier run's checkpoints
     # and metrics in this folder are moved aside: its last.ckpt would be taken for this run's (Lightning writes
     # last-v1.ckpt beside it), and its metrics.csv rows would join this run's.
-    if not _own_checkpoint(ckpt, ckpt_dir):
+    resuming = _own_checkpoint(ckpt, ckpt_dir)
+    if not resuming:
         aside = _set_aside_earlier_run(run_dir, ckpt_dir)
         if aside is not None:
             console.print(f"[yellow]{run_dir}[/] held an earlier run's files: moved to {aside}")
-    loggers = _loggers(cfg, run_dir)
+    loggers = _loggers(cfg, run_dir, resuming)
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator, devices=devices, num_nodes=int(cfg.trainer.num_nodes), strategy=strategy,
         precision=_precision(cfg, use_cuda), max_steps=max_steps, max_epochs=-1,
@@ -433,6 +476,8 @@ def train(cfg: DictConfig) -> dict:
             # ModelCheckpoint writes last.ckpt at train end only when the fit saved nothing: after step 28000 of
             # 28610, last.ckpt would hold step 28000 while val/loss and eval.after_train speak of step 28610.
             save_step_checkpoint(trainer, ckpt_dir)
+        if prune and trainer.is_global_zero:
+            prune.prune()
         if trainer.strategy.reduce_boolean_decision(sigterm.signalled, all=False):  # came after the last step
             raise SIGTERMException()  # the final checkpoint is saved: no validation or evaluation after it
         if trainer.global_step % int(cfg.trainer.val_every_n_steps) and outside_fit:  # the final weights too

@@ -117,7 +117,24 @@ def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
     with exclusive_lock(root.parent / f".{root.name}.lock", f"another process is preparing {root}; waiting"):
         if (root / "meta.json").is_file():  # built while we waited
             return _load_prepared(root)
-        return _build(cfg, root, progress)
+        with tokenizer_threads():
+            return _build(cfg, root, progress)
+
+
+@contextmanager
+def tokenizer_threads():
+    """HF tokenizers' thread pool on while a corpus is tokenized (BPE training and encode_batch: ~2x faster on 2
+    cores, more on a GPU node's, the same tokenizer and ids), unless TOKENIZERS_PARALLELISM was set by the user.
+    Afterwards the variable is set to false: DataLoader workers forked later then neither use a pool inherited
+    across fork nor print tokenizers' fork warning."""
+    if "TOKENIZERS_PARALLELISM" in os.environ:
+        yield
+        return
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    try:
+        yield
+    finally:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def prepared_root(cfg, cache_dir: str | Path) -> Path:

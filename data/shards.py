@@ -41,14 +41,19 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_bytes(path: Path, chunks) -> None:
     """Write an iterable of byte chunks to `path` atomically."""
+    atomic_write(path, lambda f: [f.write(chunk) for chunk in chunks])
+
+
+def atomic_write(path: Path, write) -> None:
+    """Call write(binary file) on a temporary file beside `path`, then rename it to `path`: a reader (or a crash)
+    never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide results and shards from the rest of a team
         with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -1,4 +1,5 @@
-"""Rebuild a trained decoder (and its tokenizer) from a checkpoint file or a run directory.
+"""Rebuild a trained decoder (and its tokenizer) from a checkpoint file or a run directory; thin out a run's
+older step checkpoints to their weights.
 
 Checkpoints are Lightning checkpoints whose state dict does not depend on the attention backend; they carry the
 model/attention configs (hyper_parameters) and the tokenizer JSON, so a checkpoint alone is enough to evaluate.
@@ -7,6 +8,7 @@ Loaded with weights_only=True.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,3 +82,29 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
     model.to(device).eval()
     return LoadedModel(model, tokenizer, eos_id(tokenizer), ckpt_path, hp, ckpt.get("loss_only_after"),
                        ckpt.get("global_step"), mtime_ns)
+
+
+_STEP_FILE = re.compile(r"step(\d+)(?:-v\d+)?\.ckpt")
+# what only a resume needs: AdamW's two moments are 2/3 of a checkpoint of fp32 weights
+TRAINING_STATE = ("optimizer_states", "lr_schedulers", "loops", "callbacks")
+
+
+def prune_step_checkpoints(ckpt_dir: str | Path, keep: int, keep_weights: bool = True) -> list[Path]:
+    """Delete all but the `keep` newest step<N>.ckpt files of a run (by step; last.ckpt is never touched). With
+    keep_weights each one leaves weights/step<N>.pt behind: the checkpoint without its training state, which
+    evaluate.py and load_checkpoint read as they read a .ckpt (no resume from it). Returns the deleted files."""
+    from data.shards import atomic_write
+
+    ckpt_dir = Path(ckpt_dir)
+    found = sorted((int(m.group(1)), path.name, path) for path in ckpt_dir.glob("step*.ckpt")
+                   if (m := _STEP_FILE.fullmatch(path.name)))
+    pruned = []
+    for step, _, path in found[: max(0, len(found) - keep)]:
+        if keep_weights:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            weights = {k: v for k, v in ckpt.items() if k not in TRAINING_STATE}
+            atomic_write(ckpt_dir / "weights" / path.with_suffix(".pt").name, lambda f: torch.save(weights, f))
+            del ckpt
+        path.unlink()
+        pruned.append(path)
+    return pruned

@@ -1,4 +1,4 @@
-"""Training step, optimizer groups, warmup + cosine schedule, and the per-step logs."""
+"""Training step, optimizer groups, the learning-rate schedule, and the per-step logs."""
 
 from __future__ import annotations
 
@@ -47,14 +47,27 @@ def _unwrapped_name(name: str) -> str:
     return name
 
 
-def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float):
-    """Linear warmup, then cosine decay to min_lr_ratio * lr at max_steps."""
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+# optim keys added after the first checkpoints were written: an older checkpoint trained with these values
+OPTIM_DEFAULTS = {"schedule": "cosine", "decay_fraction": 0.2}
+
+
+def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float, schedule: str = "cosine",
+              decay_fraction: float = 0.2):
+    """Linear warmup, then down to min_lr_ratio * lr at max_steps: cosine, linear, or wsd (warmup-stable-decay:
+    the full rate until the last decay_fraction of the steps, then a linear cool-down; a checkpoint of the stable
+    phase resumed with another optim.schedule_steps branches a decay for another budget), or constant (no decay)."""
+    decay_start = max(warmup_steps, max_steps - round(decay_fraction * max_steps)) if schedule == "wsd" else warmup_steps
 
     def fn(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, max(0, step - decay_start) / max(1, max_steps - decay_start))
+        if schedule == "cosine":
+            return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0 - (1 - min_lr_ratio) * progress  # linear, and wsd's cool-down
 
     return fn
 
@@ -78,6 +91,8 @@ def _check_resumed_config(saved: dict, now: dict) -> None:
         if not saved.get(group):  # an older checkpoint without it: nothing to compare
             continue
         old, new = dict(saved[group]), dict(now.get(group) or {})
+        if group == "optim":
+            old = {**OPTIM_DEFAULTS, **old}
         if group == "model":  # as built: n_kv_heads None is n_heads, ffn_hidden None its computed width
             old, new = asdict(ModelConfig(**old)), asdict(ModelConfig(**new))
         for key in sorted(set(old) | set(new)):
@@ -320,7 +335,9 @@ class LitDecoder(L.LightningModule):
             lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"],
         )
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lr_lambda(cfg["warmup_steps"], self.max_steps, cfg["min_lr_ratio"])
+            opt, lr_lambda(cfg["warmup_steps"], self.max_steps, cfg["min_lr_ratio"],
+                           cfg.get("schedule", OPTIM_DEFAULTS["schedule"]),
+                           float(cfg.get("decay_fraction", OPTIM_DEFAULTS["decay_fraction"])))
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -335,6 +352,26 @@ def save_step_checkpoint(trainer, ckpt_dir) -> None:
     """step<N>.ckpt and last.ckpt at the step reached, named as ModelCheckpoint names its own."""
     for name in (f"step{trainer.global_step:07d}.ckpt", "last.ckpt"):
         trainer.save_checkpoint(ckpt_dir / name)
+
+
+class PruneStepCheckpoints(L.Callback):
+    """trainer.keep_checkpoints: the newest `keep` step checkpoints stay whole, older ones shrink to their weights
+    (keep_weights) or go (prune_step_checkpoints). Once per optimizer step, on rank zero: Lightning runs
+    ModelCheckpoint after the other callbacks, so a new checkpoint is never what makes room for itself."""
+
+    def __init__(self, ckpt_dir, keep: int, keep_weights: bool):
+        self.ckpt_dir, self.keep, self.keep_weights = ckpt_dir, keep, keep_weights
+        self._step = None
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.is_global_zero and trainer.global_step != self._step:
+            self._step = trainer.global_step
+            self.prune()
+
+    def prune(self):
+        from model.checkpoint import prune_step_checkpoints
+
+        prune_step_checkpoints(self.ckpt_dir, self.keep, self.keep_weights)
 
 
 class CheckpointOnSigterm(L.Callback):

@@ -367,3 +367,27 @@ def test_a_validation_split_far_below_val_fraction_is_warned_about(tmp_path, cap
         prepared = prepare(data_cfg([path]), tmp_path / name, progress=False)
         assert prepared.meta["tokens"]["val_documents"] == 1
         assert ("validation holds 1 of 6 documents" in capsys.readouterr().err) == warned, name
+
+
+def test_a_corpus_is_tokenized_with_threads_and_they_are_off_afterwards(tmp_path, corpus_file, monkeypatch):
+    import os
+
+    import data.prepare as prepare_module
+
+    seen = []
+    real_train_bpe = prepare_module.train_bpe
+
+    def recording_train_bpe(*args, **kwargs):
+        seen.append(os.environ.get("TOKENIZERS_PARALLELISM"))
+        return real_train_bpe(*args, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "train_bpe", recording_train_bpe)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    threaded = prepare(data_cfg([corpus_file]), tmp_path / "threaded", progress=False)
+    assert seen == ["true"] and os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    # the user's setting wins, and the threads change neither the tokenizer nor the ids
+    single = prepare(data_cfg([corpus_file]), tmp_path / "single", progress=False)
+    assert seen == ["true", "false"]
+    assert threaded.tokenizer_path.read_text() == single.tokenizer_path.read_text()
+    assert all(np.array_equal(shards.read_shard(a), shards.read_shard(b))
+               for a, b in zip(threaded.train_shards + [threaded.val_shard], single.train_shards + [single.val_shard]))

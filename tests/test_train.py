@@ -176,6 +176,84 @@ def test_a_resume_with_another_learning_rate_or_weight_decay_applies_them(tmp_pa
     assert (decay["weight_decay"], no_decay["weight_decay"], decay["initial_lr"]) == (0.2, 0.0, 1e-3)
 
 
+def test_learning_rate_schedules():
+    from model.lightning_module import lr_lambda
+
+    rates = {name: [lr_lambda(10, 110, 0.1, name, 0.2)(step) for step in range(120)]
+             for name in ("cosine", "linear", "wsd", "constant")}
+    for name, curve in rates.items():
+        assert curve[:10] == pytest.approx([(s + 1) / 10 for s in range(10)]), name  # linear warmup
+        assert curve[10] == pytest.approx(1.0), name
+    assert rates["constant"][10:] == [1.0] * 110
+    for name in ("cosine", "linear", "wsd"):
+        assert rates[name][110] == pytest.approx(0.1) and rates[name][119] == pytest.approx(0.1), name
+        assert all(a >= b for a, b in zip(rates[name][10:], rates[name][11:])), name  # never rises after warmup
+    assert rates["linear"][60] == pytest.approx(0.55)  # half-way down, a straight line
+    assert rates["cosine"][60] == pytest.approx(0.55) and rates["cosine"][35] > 0.55 + 0.45 / 2
+    # wsd: the full rate up to the last 20% of the 110 steps (step 88), then a straight line down
+    assert rates["wsd"][10:88] == [1.0] * 78 and rates["wsd"][99] == pytest.approx(0.55)
+
+
+def test_a_run_follows_the_configured_schedule(tmp_path, corpus_file, data_cache):
+    from model.lightning_module import lr_lambda
+
+    train(compose_train(TINY + ["attention=swa", "attention.window=8", "trainer.max_steps=10", "optim.schedule=wsd",
+                                "optim.decay_fraction=0.5", "trainer.val_every_n_steps=10"], tmp_path, corpus_file,
+                        data_cache))
+    logged = read_run_metrics(tmp_path / "metrics.csv")["train/lr"]
+    expected = lr_lambda(2, 10, 0.1, "wsd", 0.5)
+    assert sorted(logged) == list(range(10))
+    assert all(logged[step] == pytest.approx(3e-3 * expected(step)) for step in logged)
+    assert logged[4] == pytest.approx(3e-3) and logged[9] < 3e-3 * 0.3
+
+
+def test_a_resumed_run_continues_its_wandb_run_and_a_fresh_one_starts_another(tmp_path, corpus_file, data_cache):
+    common = TINY + ["attention=swa", "attention.window=8", "logger=wandb", "logger.wandb.mode=offline",
+                     "optim.schedule_steps=4", "trainer.checkpoint_every_n_steps=2", "trainer.val_every_n_steps=2"]
+    run = tmp_path / "run"
+
+    def wandb_ids():
+        return sorted(p.name.split("-")[3] for p in (run / "wandb").glob("offline-run-*"))
+
+    train(compose_train(common + ["trainer.max_steps=2"], run, corpus_file, data_cache))
+    first = (run / "wandb_run_id.txt").read_text().strip()
+    train(compose_train(common + ["trainer.max_steps=4", "resume=auto"], run, corpus_file, data_cache))
+    assert wandb_ids() == [first, first]
+    train(compose_train(common + ["trainer.max_steps=2"], run, corpus_file, data_cache))  # a fresh run, same folder
+    second = (run / "wandb_run_id.txt").read_text().strip()
+    assert second != first and wandb_ids() == sorted([first, first, second])
+    assert (run / "previous-1" / "wandb_run_id.txt").read_text().strip() == first
+
+
+def test_older_step_checkpoints_shrink_to_their_weights(tmp_path, corpus_file, data_cache):
+    from model.checkpoint import load_checkpoint
+
+    common = TINY + ["attention=sa", "attention.window=8", "trainer.max_steps=7", "trainer.checkpoint_every_n_steps=2",
+                     "trainer.val_every_n_steps=7"]
+    train(compose_train(common + ["trainer.keep_checkpoints=2"], tmp_path / "kept", corpus_file, data_cache))
+    ckpts = tmp_path / "kept" / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["last.ckpt", "step0000006.ckpt", "step0000007.ckpt"]
+    assert sorted(p.name for p in (ckpts / "weights").iterdir()) == ["step0000002.pt", "step0000004.pt"]
+    slim = torch.load(ckpts / "weights" / "step0000004.pt", weights_only=True)
+    assert "optimizer_states" not in slim and slim["global_step"] == 4
+    # the same weights as the whole checkpoint of an identical run that keeps every one
+    train(compose_train(common, tmp_path / "all", corpus_file, data_cache))
+    whole = load_checkpoint(tmp_path / "all" / "checkpoints" / "step0000004.ckpt").model.state_dict()
+    loaded = load_checkpoint(ckpts / "weights" / "step0000004.pt")
+    assert loaded.step == 4 and all(torch.equal(whole[k], v) for k, v in loaded.model.state_dict().items())
+    assert len(list((tmp_path / "all" / "checkpoints").glob("step*.ckpt"))) == 4
+    train(compose_train(common + ["trainer.keep_checkpoints=1", "trainer.keep_weights=false", "trainer.max_steps=9",
+                                  "resume=auto"], tmp_path / "kept", corpus_file, data_cache))
+    assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["last.ckpt", "step0000009.ckpt"]
+    assert sorted(p.name for p in (ckpts / "weights").iterdir()) == ["step0000002.pt", "step0000004.pt"]
+
+
+def test_prepare_only_prepares_the_data_and_trains_nothing(tmp_path, corpus_file):
+    cache = tmp_path / "cache"
+    assert train(compose_train(TINY + ["prepare_only=true"], tmp_path / "run", corpus_file, cache)) == {}
+    assert list(cache.glob("files-*/meta.json")) and not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_the_resume_check_compares_models_as_built():
     from model.config import ConfigError
     from model.lightning_module import _check_resumed_config
