@@ -52,8 +52,8 @@ class SALM(TemplateLM):
     """Wraps a checkpoint of this repository (model/checkpoint.py) for lm-eval.
 
     model_args: checkpoint=<.ckpt or run dir> (required unless `loaded` is given), kind, window, backend, eval_seed
-    (override the trained attention config), batch_size, device (auto|cpu|cuda[:i]), max_length (<= the model's
-    context), dtype (float32 | bfloat16 | float16; default float32; half precision runs as training's bf16-mixed
+    (override the trained attention config), batch_size, device (auto|cpu|cuda[:i]), max_length (default: the
+    trained context; longer evaluates past it, shorter in windows of that length), dtype (float32 | bfloat16 | float16; default float32; half precision runs as training's bf16-mixed
     did: fp32 weights, matmuls under autocast, so the model is never cast).
     """
 
@@ -87,7 +87,9 @@ class SALM(TemplateLM):
             overrides = {k: v for k, v in dict(kind=kind, window=window, backend=backend, eval_seed=eval_seed).items()
                          if v is not None}
             overrides = {k: (v if k in ("kind", "backend") else int(v)) for k, v in overrides.items()}
-            loaded = load_checkpoint(checkpoint, attention=overrides or None, device=self._device)
+            # a max_length past the trained context builds the model for it (RoPE extrapolation)
+            longer = None if max_length in (None, "", "auto") or int(max_length) < 1 else int(max_length)
+            loaded = load_checkpoint(checkpoint, attention=overrides or None, device=self._device, context=longer)
         elif any(v is not None for v in (checkpoint, kind, window, backend, eval_seed)):
             raise ValueError("give either `loaded` or checkpoint/attention arguments, not both")
         self.loaded = loaded

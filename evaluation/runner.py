@@ -235,6 +235,11 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
                      "attention.window=<w> sets it)")
     if trained.get("kind") not in (None, kind):
         notes.append(f"attention {kind} (trained as {trained['kind']}; attention.kind=<kind> sets it)")
+    trained_context = lm.loaded.identity()["trained_context"]
+    if lm.max_length != trained_context:
+        notes.append(f"context {lm.max_length} tokens (trained with {trained_context}"
+                     f"{'; RoPE past it is extrapolation' if lm.max_length > trained_context else ''}; "
+                     "eval.max_length sets it)")
     if kind not in STOCHASTIC_KINDS and num_seeds > 1:
         notes.append(f"attention kind={kind} is deterministic: 1 seed instead of {num_seeds}")
         num_seeds = 1
@@ -276,6 +281,8 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
     as_trained = f"{trained.get('kind')} (w={trained.get('window')})" if trained.get("kind") != "full" else "full"
     if trained.get("kind") is not None and as_trained != label:  # a model scored as it was not trained says so
         label += f" [trained {as_trained}]"
+    if lm.max_length != trained_context:
+        label += f" [context {lm.max_length}]"
     table = markdown_table([(label, combined, avg_entry)], len(seeds), tasks)
 
     summary = {

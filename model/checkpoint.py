@@ -31,11 +31,12 @@ class LoadedModel:
 
     def identity(self) -> dict:
         """What results.json records of the scored file: a later last.ckpt of a resumed run is another file, and
-        tools.runs leaves out the results of the earlier one. trained_attention: the config the weights were
-        trained with (results under another attention are reported apart)."""
+        tools.runs leaves out the results of the earlier one. trained_attention and trained_context: what the
+        weights were trained with (results under another attention or context are reported apart)."""
         trained = self.hparams.get("attention") or {}
         return {"checkpoint_step": self.step, "checkpoint_mtime_ns": self.mtime_ns,
-                "trained_attention": {k: trained[k] for k in ("kind", "window") if k in trained}}
+                "trained_attention": {k: trained[k] for k in ("kind", "window") if k in trained},
+                "trained_context": ModelConfig(**self.hparams["model"]).max_seq_len}
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -52,8 +53,11 @@ def find_checkpoint(path: str | Path) -> Path:
     raise FileNotFoundError(f"no checkpoint at {path} (give a .ckpt file or a run directory with checkpoints/)")
 
 
-def load_checkpoint(path: str | Path, attention: dict | None = None, device: str | torch.device = "cpu") -> LoadedModel:
-    """Rebuild the model; `attention` overrides the trained attention config (e.g. another window or backend)."""
+def load_checkpoint(path: str | Path, attention: dict | None = None, device: str | torch.device = "cpu",
+                    context: int | None = None) -> LoadedModel:
+    """Rebuild the model; `attention` overrides the trained attention config (e.g. another window or backend);
+    `context` builds it for sequences of up to that many tokens instead of the trained max_seq_len (the RoPE tables
+    are not saved; positions past the trained context are extrapolation)."""
     from tokenizers import Tokenizer
 
     from data.tokenizer import eos_id
@@ -63,7 +67,8 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
     hp = ckpt["hyper_parameters"]
     attn = {**hp["attention"], **(attention or {})}
-    model = Decoder(ModelConfig(**hp["model"]), AttentionConfig(**attn), seed=hp.get("seed", 0))
+    model_cfg = {**hp["model"], **({"max_seq_len": int(context)} if context else {})}
+    model = Decoder(ModelConfig(**model_cfg), AttentionConfig(**attn), seed=hp.get("seed", 0))
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(state, strict=False)
     # A gated checkpoint evaluated as plain SA/SWA drops its gates; anything else missing is an error.

@@ -203,6 +203,18 @@ def test_evals_of_an_earlier_last_checkpoint_or_another_attention_are_not_the_ru
     assert "scored an earlier" not in capsys.readouterr().err
 
 
+def test_evals_past_the_trained_context_are_keyed_apart(tmp_path):
+    from tools.runs import read_evals
+
+    run = _fake_run(tmp_path, "r", window=8, rows=[(0, 9, 2.0, 960, "")])
+    for folder, max_length, value in (("trained", 64, 5.0), ("long", 256, 9.0), ("before", None, 5.0)):
+        (run / "eval" / folder).mkdir(parents=True)
+        (run / "eval" / folder / "results.json").write_text(json.dumps(
+            {"checkpoint": str(run / "checkpoints" / "last.ckpt"), "trained_context": 64, "max_length": max_length,
+             "results": [{"task": "wikitext", "metric": "word_perplexity", "value": value}]}))
+    assert read_evals(run) == {"wikitext/word_perplexity": 5.0, "wikitext/word_perplexity [context=256]": 9.0}
+
+
 def test_steps_tokens_and_curves_of_runs_that_stop_between_log_rows(tmp_path):
     from tools.runs import load_run
 

@@ -393,7 +393,10 @@ def test_model_args_from_the_lm_eval_command_line(tiny_ckpt):
     assert lm.model.attn_cfg.window == 4 and lm.eval_seed == 7 and lm.batch_size == 2
     assert str(lm.device) == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ValueError, match="max_length"):
-        get_model("sa-lm").create_from_arg_string(f"checkpoint={tiny_ckpt},max_length=1000")
+        get_model("sa-lm").create_from_arg_string(f"checkpoint={tiny_ckpt},max_length=0")
+    longer = get_model("sa-lm").create_from_arg_string(f"checkpoint={tiny_ckpt},max_length=1000")
+    assert longer.max_length == longer.model.cfg.max_seq_len == 1000  # past the trained context: RoPE extrapolates
+    assert longer.loaded.identity()["trained_context"] == lm.loaded.identity()["trained_context"] < 1000
 
 
 # ---------------------------------------------------------------------------------------------- local tasks
@@ -669,6 +672,20 @@ def test_unreachable_data_is_one_line_and_not_an_error(tiny_ckpt, evaldata, tmp_
     assert nothing["results"] == [] and "piqa" in nothing["skipped"]
 
 
+def test_wikitext_past_the_trained_context(tiny_ckpt, evaldata, tmp_path, capsys):
+    from evaluation import evaluate_checkpoint
+
+    trained = int(torch.load(tiny_ckpt, weights_only=True)["hyper_parameters"]["model"]["max_seq_len"])
+    cfg = {"tasks": ["wikitext"], "data_dir": str(evaldata[0]), "limit": 2, "device": "cpu", "batch_size": 2,
+           "task_dir": str(tmp_path / "tasks"), "max_length": 2 * trained}
+    summary = evaluate_checkpoint(tiny_ckpt, cfg, None, tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["max_length"] == 2 * trained and saved["trained_context"] == trained
+    assert f"[context {2 * trained}]" in summary["table"]
+    assert f"context {2 * trained} tokens (trained with {trained}; RoPE past it" in capsys.readouterr().err
+    assert summary["by_task"]["wikitext"]["word_perplexity"]["value"] > 1
+
+
 def test_a_task_string_is_a_comma_separated_list(loaded, evaldata, tmp_path):
     """eval.tasks=lambada_openai on the command line arrives as a string, not as a list of its letters."""
     from evaluation import evaluate_checkpoint
@@ -709,6 +726,18 @@ def test_evaluate_py_on_a_run_directory(tiny_ckpt, evaldata, tmp_path):
     saved = json.loads((out / "results.json").read_text())
     assert saved["attention"]["backend"] == "torch" and saved["limit"] == 3
     assert (out / ".hydra" / "config.yaml").is_file()
+
+
+def test_sample_py_prints_seeded_samples_and_writes_nothing(tiny_ckpt, tmp_path):
+    args = [str(ROOT / "sample.py"), f"ckpt={tiny_ckpt.parent.parent}", "prompt=The value of", "num_samples=2",
+            "max_new_tokens=12", "attention.window=4"]
+    first, again = _run(args, tmp_path), _run(args, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout == again.stdout and first.stdout.count("--- sample ") == 2
+    assert first.stdout.split("--- sample 2 of 2\n")[1].startswith("The value of")
+    assert list(tmp_path.iterdir()) == []  # no .hydra folder, no log file
+    bad = _run(args + ["top_p=1.5"], tmp_path)
+    assert bad.returncode == 2 and "top_p=1.5" in bad.stderr
 
 
 @pytest.mark.parametrize("preset", ["full", "swa", "sa", "gated_sa_swa", "moba"])

@@ -43,11 +43,13 @@ def _final_checkpoint(run_dir: Path) -> Path | None:
 
 
 def _attention_label(data: dict, trained: dict | None) -> str:
-    """"" for results at the attention the run trained with, else what differs: " [window=64]" (a window sweep at
-    evaluation is another column, never the trained model's score)."""
+    """"" for results at the attention and context the run trained with, else what differs: " [window=64]",
+    " [context=4096]" (a window sweep at evaluation is another column, never the trained model's score)."""
     used = data.get("attention") or {}
     trained = data.get("trained_attention") or trained or {}
     diff = [f"{k}={used[k]}" for k in ("kind", "window") if k in used and k in trained and used[k] != trained[k]]
+    if data.get("trained_context") and data.get("max_length") not in (None, data["trained_context"]):
+        diff.append(f"context={data['max_length']}")
     return f" [{', '.join(diff)}]" if diff else ""
 
 

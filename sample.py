@@ -1,0 +1,71 @@
+"""Sample text from a trained checkpoint (see model/generate.py for how SA decodes).
+
+    python sample.py ckpt=runs/train/<run> prompt="The history of" num_samples=3
+    python sample.py ckpt=<file>.ckpt temperature=0 max_new_tokens=50       # greedy
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def check_sample_config(cfg: DictConfig) -> None:
+    from model.config import ConfigError, _is_int, _is_number
+
+    if not cfg.ckpt:
+        raise ConfigError("ckpt", cfg.ckpt, "give ckpt=<run dir, .ckpt or weights .pt file>")
+    for key in ("num_samples", "max_new_tokens"):
+        if not _is_int(cfg[key]) or cfg[key] < 1:
+            raise ConfigError(key, cfg[key], "a positive integer")
+    if not _is_number(cfg.temperature) or cfg.temperature < 0:
+        raise ConfigError("temperature", cfg.temperature, ">= 0 (0: greedy)")
+    if cfg.top_k is not None and (not _is_int(cfg.top_k) or cfg.top_k < 1):
+        raise ConfigError("top_k", cfg.top_k, "a positive integer, or null for no cut")
+    if cfg.top_p is not None and (not _is_number(cfg.top_p) or not 0 < cfg.top_p <= 1):
+        raise ConfigError("top_p", cfg.top_p, "a probability in (0, 1], or null")
+    if cfg.dtype not in DTYPES:
+        raise ConfigError("dtype", cfg.dtype, f"one of {', '.join(DTYPES)}")
+    if not _is_int(cfg.seed):
+        raise ConfigError("seed", cfg.seed, "an integer")
+
+
+def sample(cfg: DictConfig) -> list[str]:
+    """The texts (prompt + continuation) of cfg.num_samples samples."""
+    import torch
+
+    from model.checkpoint import load_checkpoint
+    from model.generate import generate
+
+    check_sample_config(cfg)
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    attention = {k: v for k, v in OmegaConf.to_container(cfg.attention).items() if v is not None}
+    loaded = load_checkpoint(cfg.ckpt, attention=attention or None, device=device)
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    prompt = loaded.tokenizer.encode(cfg.prompt, add_special_tokens=False).ids if cfg.prompt else [loaded.eos_id]
+    generator = torch.Generator(device=device).manual_seed(int(cfg.seed))
+    samples = generate(loaded.model, prompt, int(cfg.max_new_tokens), int(cfg.num_samples), float(cfg.temperature),
+                       cfg.top_k, cfg.top_p, loaded.eos_id, generator,
+                       None if dtype == "float32" else getattr(torch, dtype))
+    return [cfg.prompt + loaded.tokenizer.decode(ids) for ids in samples]
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="sample")
+def main(cfg: DictConfig):
+    from model.config import ConfigError
+
+    try:
+        texts = sample(cfg)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    for i, text in enumerate(texts):
+        print(f"--- sample {i + 1} of {len(texts)}\n{text}")
+
+
+if __name__ == "__main__":
+    main()
