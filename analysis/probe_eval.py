@@ -53,12 +53,12 @@ INT_KEYS = ("num", "num_pairs", "key_digits", "value_digits", "seed", "seeds", "
             "max_distance", "buckets", "batch_size")
 
 
-def parse_args(argv: list[str]) -> tuple[dict, dict]:
+def parse_args(argv: list[str], defaults: dict = DEFAULTS, int_keys: tuple = INT_KEYS) -> tuple[dict, dict]:
     """key=value arguments -> (the keys given, attention overrides)."""
     given, attention = {}, {}
     for arg in argv:
         if "=" not in arg:
-            raise SystemExit(f"error: arguments are key=value, got {arg!r} (keys: {sorted(DEFAULTS)}, "
+            raise SystemExit(f"error: arguments are key=value, got {arg!r} (keys: {sorted(defaults)}, "
                              f"attention.{{{','.join(ATTENTION_KEYS)}}})")
         key, value = arg.split("=", 1)
         if key.startswith("attention."):
@@ -66,10 +66,13 @@ def parse_args(argv: list[str]) -> tuple[dict, dict]:
             if sub not in ATTENTION_KEYS:
                 raise SystemExit(f"error: unknown key {key!r}; attention overrides: {ATTENTION_KEYS}")
             attention[sub] = int(value) if sub in ("window", "eval_seed") else value
-        elif key in DEFAULTS:
-            given[key] = None if value in ("null", "None") else (int(value) if key in INT_KEYS else value)
+        elif key in defaults:
+            try:
+                given[key] = None if value in ("null", "None") else (int(value) if key in int_keys else value)
+            except ValueError:
+                raise SystemExit(f"error: {key}={value!r} must be an integer") from None
         else:
-            raise SystemExit(f"error: unknown key {key!r}; known: {sorted(DEFAULTS)}")
+            raise SystemExit(f"error: unknown key {key!r}; known: {sorted(defaults)}")
     if not given.get("ckpt"):
         raise SystemExit("error: ckpt=<run dir or .ckpt file> is required")
     return given, attention

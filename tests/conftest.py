@@ -44,6 +44,19 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data_cache")
 
 
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory, corpus_file, data_cache) -> Path:
+    """last.ckpt of a 12-step tiny SA run (w=8) on the test corpus; its prepared data stays in data_cache."""
+    from train import train
+
+    run_dir = tmp_path_factory.mktemp("eval_run")
+    cfg = compose_train(TINY + ["attention=sa", "attention.window=8", "trainer.max_steps=12",
+                                "trainer.val_every_n_steps=12", "trainer.checkpoint_every_n_steps=12"],
+                        run_dir, corpus_file, data_cache)
+    train(cfg)
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
 def compose_train(overrides: list[str], run_dir: Path, corpus: Path | None = None, cache: Path | None = None):
     """The real train.yaml, composed like the command line would, with test-sized defaults and temp paths."""
     from hydra import compose, initialize_config_dir

@@ -1,5 +1,7 @@
 """Receptive-field coverage and small-world metrics of attention graphs drawn through the model's own code."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -138,3 +140,56 @@ def test_coverage_cli_writes_table_and_plot(tmp_path, capsys):
     assert "identical to the measured column" in text and "Small-world" in text
     assert (tmp_path / "coverage.png").stat().st_size > 10_000
     assert (tmp_path / "coverage.json").is_file()
+
+
+# ---------------------------------------------------------------------------------------------- loss by position
+def test_windows_stay_inside_documents():
+    from analysis.position_loss import cut_windows
+
+    docs = [np.arange(100, 110), np.arange(200, 203), np.arange(300, 325)]
+    windows = cut_windows(docs, 5, limit=100)
+    assert len(windows) == 2 + 5  # 10 // 5 from the first document, none from the second, 25 // 5 from the third
+    assert all(np.array_equal(w, np.arange(w[0], w[0] + 5)) for w in windows)  # consecutive tokens of one document
+    assert len(cut_windows(docs, 5, limit=3)) == 3
+    with pytest.raises(ValueError, match="no document holds 30 tokens"):
+        cut_windows(docs, 30, limit=4)
+
+
+def test_position_losses_equal_the_direct_per_position_loss():
+    from analysis.position_loss import position_losses
+    from model.config import AttentionConfig, ModelConfig
+    from model.decoder import Decoder
+
+    model = Decoder(ModelConfig(vocab_size=50, n_layers=2, d_model=32, n_heads=2, max_seq_len=600),
+                    AttentionConfig(kind="sa", window=16, backend="torch"), seed=1).eval()
+    windows = np.random.default_rng(0).integers(0, 50, size=(3, 601))  # 600 positions: two slices of the head
+    got = position_losses(model, windows, batch_size=2, device="cpu")
+    tokens = torch.from_numpy(windows)
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])
+    direct = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(0)
+    assert got.shape == (600,) and np.allclose(got, direct.numpy(), atol=1e-5)
+
+
+def test_position_loss_cli_past_the_trained_context(tiny_ckpt, corpus_file, tmp_path, capsys):
+    from analysis.position_loss import main
+    from tools.runs import read_evals
+
+    run_dir = tiny_ckpt.parent.parent
+    assert main([f"ckpt={run_dir}", "windows=4"]) == 0  # the run's own validation shard, at the trained context
+    saved = json.loads((run_dir / "eval" / "position_loss_64" / "results.json").read_text())
+    assert saved["max_length"] == saved["trained_context"] == 64 and len(saved["loss"]) == 64
+    assert saved["text"].endswith("val.bin") and saved["windows"] == 4
+    books = tmp_path / "books.jsonl"  # documents long enough for 128-token windows
+    text = [json.loads(line)["text"] for line in corpus_file.read_text().splitlines()]
+    books.write_text("".join(json.dumps({"text": " ".join(text[i: i + 20])}) + "\n" for i in range(0, 200, 20)))
+    assert main([f"ckpt={run_dir}", "context=128", f"text={books}", "windows=6", "seeds=2",
+                 f"out={tmp_path / 'out'}"]) == 0
+    combined = json.loads((tmp_path / "out" / "position_loss.json").read_text())
+    assert combined[0]["attention"]["eval_seeds"] == [0, 1] and len(combined[0]["loss"]) == 128
+    assert (tmp_path / "out" / "position_loss.png").stat().st_size > 0
+    assert "| positions | sa w=8" in capsys.readouterr().out
+    evals = read_evals(run_dir)
+    assert "position_loss/loss" in evals and "position_loss/loss [context=128]" in evals
+    with pytest.raises(SystemExit, match="no document holds 100001 tokens"):
+        main([f"ckpt={run_dir}", "context=100000", f"text={books}"])

@@ -40,18 +40,6 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory, corpus_file, data_cache) -> Path:
-    from train import train
-
-    run_dir = tmp_path_factory.mktemp("eval_run")
-    cfg = compose_train(TINY + ["attention=sa", "attention.window=8", "trainer.max_steps=12",
-                                "trainer.val_every_n_steps=12", "trainer.checkpoint_every_n_steps=12"],
-                        run_dir, corpus_file, data_cache)
-    train(cfg)
-    return run_dir / "checkpoints" / "last.ckpt"
-
-
-@pytest.fixture(scope="session")
 def loaded(tiny_ckpt):
     from model.checkpoint import load_checkpoint
 
