@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 
@@ -82,6 +83,27 @@ class Decoder(nn.Module):
             import kernels.triton_band  # noqa: F401  registers the custom ops before any tracing starts
         for block in self.blocks:
             block.compile(fullgraph=True, **options)
+
+    @torch.no_grad()
+    def gate_openness(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Gated SA+SWA: the mean sigmoid gate of each layer's SA and SWA path over `tokens` [B, n] (batch,
+        positions and heads), [n_layers, 2] (SA, SWA); None for other variants. One eager forward pass (compiled
+        blocks run eagerly for it, where torch can force that), the gates' inputs read by forward hooks."""
+        if self.attn_cfg.kind != "gated_sa_swa":
+            return None
+        H = self.cfg.n_heads
+        means = []
+        hooks = [block.attn.gate.register_forward_hook(
+            lambda _, __, g: means.append(torch.sigmoid(g.float()).reshape(-1, 2, H).mean(dim=(0, 2))))
+            for block in self.blocks]
+        stance = getattr(torch.compiler, "set_stance", None)
+        try:
+            with stance("force_eager") if stance else contextlib.nullcontext():
+                self.hidden_states(tokens)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return torch.stack(means)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         total = sum(p.numel() for p in self.parameters())

@@ -304,6 +304,10 @@ class LitDecoder(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         loss, counted, right = self._loss(batch)
+        gates = self.model.gate_openness(batch[:, :-1]) if batch_idx == 0 else None
+        for layer, (sa, swa) in enumerate(gates if gates is not None else []):  # the first batch: a mean of B*n tokens
+            self.log(f"gates/sa/layer{layer:02d}", sa, sync_dist=True, batch_size=batch.shape[0])
+            self.log(f"gates/swa/layer{layer:02d}", swa, sync_dist=True, batch_size=batch.shape[0])
         if self.loss_after_id is None:
             self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
         else:  # summed here and reduced once at the end: batches and ranks weigh by their number of answers

@@ -44,6 +44,13 @@ def test_each_variant_trains_and_its_loss_falls(attention, tmp_path, corpus_file
         assert key in logged, key
     if logger:
         assert list((tmp_path / "wandb").glob("offline-run-*")), "an offline W&B run is written"
+    gates = [key for key in logged if key.startswith("gates/")]
+    if attention == "gated_sa_swa":  # how open each path's gates are, per layer, at every validation
+        assert sorted(gates) == ["gates/sa/layer00", "gates/sa/layer01", "gates/swa/layer00", "gates/swa/layer01"]
+        assert all(logged[key][0] == 0.5 for key in gates)  # zero-initialised gates: sigmoid(0)
+        assert any(abs(logged[key][30] - 0.5) > 1e-3 for key in gates)  # trained
+    else:
+        assert gates == []
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     assert ckpt["global_step"] == 30 and any(k.startswith("model.blocks.0.attn") for k in ckpt["state_dict"])
 
@@ -606,7 +613,7 @@ def test_compiled_training_reproduces_eager_losses(tmp_path, corpus_file, data_c
     an uncompiled decoder (parameter names unchanged)."""
     from model.checkpoint import load_checkpoint
 
-    losses, graphs = {}, {}
+    losses, gates, graphs = {}, {}, {}
     for compiled in (False, True):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
@@ -614,15 +621,17 @@ def test_compiled_training_reproduces_eager_losses(tmp_path, corpus_file, data_c
                                     "trainer.max_steps=3", "trainer.val_every_n_steps=3", "data.batch_size=2"],
                             tmp_path / str(compiled), corpus_file, data_cache)
         train(cfg)
-        losses[compiled] = read_metrics(tmp_path / str(compiled))["train/loss"]
+        logged = read_metrics(tmp_path / str(compiled))
+        losses[compiled], gates[compiled] = logged["train/loss"], logged["gates/sa/layer01"]
         graphs[compiled] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     # training, plus validation before and during fit (Lightning's inference mode gives tensors without autograd
-    # keys, another guard); a fresh pi at each step must not add any
+    # keys, another guard); a fresh pi at each step must not add any, nor the gates' eager pass at validation
     assert graphs[False] == 0 and 1 <= graphs[True] <= 3, graphs
     assert sorted(losses[True]) == [0, 1, 2]
     for step, value in losses[False].items():
         assert abs(losses[True][step] - value) <= 1e-4, step
+    assert sorted(gates[True]) == [0, 3] and abs(gates[True][3] - gates[False][3]) <= 1e-4
     loaded = load_checkpoint(tmp_path / "True")
     assert loaded.model.attn_cfg.kind == "gated_sa_swa"
 
