@@ -493,3 +493,40 @@ def test_evaluate_hf_refuses_few_shot_examples_from_a_test_split(saved_model, tm
         evaluate_hf(str(saved_model[0]), "full", None, ["piqa"], data_dir=_evaldata(tmp_path), num_fewshot=2,
                     limit=1, device="cpu", dtype="float32", bootstrap_iters=0)
     assert err.value.key == "num_fewshot"
+
+
+# ---------------------------------------------------------------------------------------------- export
+def test_an_exported_checkpoint_gives_the_trained_models_logits(tiny_ckpt, tmp_path):
+    """Llama's architecture is the decoder's: full attention as it is, SA through the prefill patch."""
+    from hf.export import export, main
+    from model.checkpoint import load_checkpoint
+
+    out = export(tiny_ckpt, tmp_path / "export")
+    assert json.loads((out / "sa_export.json").read_text())["attention"] == {"kind": "sa", "window": 8}
+    ours = load_checkpoint(tiny_ckpt)
+    tokens = torch.tensor([ours.tokenizer.encode("The value of the first argument is returned.").ids])
+    for kind in ("full", "sa"):
+        model, tokenizer = load_hf_model(str(out), kind=kind, window=8, dtype="float32", device="cpu")
+        assert tokenizer(" value").input_ids == ours.tokenizer.encode(" value").ids
+        reference = load_checkpoint(tiny_ckpt, attention={"kind": kind}).model
+        with torch.no_grad():
+            assert torch.allclose(model(tokens).logits, reference(tokens), atol=1e-5), kind
+    plain = LlamaForCausalLM.from_pretrained(out).eval()  # no patch: full attention, transformers alone
+    with torch.no_grad():
+        assert torch.allclose(plain(tokens).logits, load_checkpoint(tiny_ckpt, attention={"kind": "full"}).model(tokens),
+                              atol=1e-5)
+    with pytest.raises(SystemExit, match="exists"):
+        main([f"ckpt={tiny_ckpt}", f"out={out}"])
+
+
+def test_gated_checkpoints_are_not_exported(tmp_path, corpus_file, data_cache):
+    from conftest import TINY, compose_train
+    from hf.export import export
+    from model.config import ConfigError
+    from train import train
+
+    train(compose_train(TINY + ["attention=gated_sa_swa", "attention.window=8", "trainer.max_steps=1"], tmp_path,
+                        corpus_file, data_cache))
+    with pytest.raises(ConfigError, match="gates"):
+        export(tmp_path, tmp_path / "export")
+    assert not (tmp_path / "export").exists() and not list(tmp_path.glob(".export.*"))
