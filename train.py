@@ -55,6 +55,16 @@ def check_config(cfg: DictConfig):
         raise ConfigError("resume", cfg.resume, "use resume=auto, or ckpt_path=<file> for a specific checkpoint")
     if cfg.ckpt_path and not Path(cfg.ckpt_path).is_file():
         raise ConfigError("ckpt_path", cfg.ckpt_path, "no such checkpoint file")
+    if cfg.get("init_from"):
+        from model.checkpoint import find_checkpoint
+
+        if cfg.ckpt_path:
+            raise ConfigError("init_from", cfg.init_from, "give ckpt_path (continue that run) or init_from (start a "
+                              "new run from its weights), not both")
+        try:
+            find_checkpoint(cfg.init_from)
+        except FileNotFoundError as err:
+            raise ConfigError("init_from", cfg.init_from, str(err)) from None
     validate_data_config(OmegaConf.to_container(cfg.data, resolve=True))
     return model_cfg, attn_cfg
 
@@ -350,11 +360,30 @@ def _data_config(cfg: DictConfig, ckpt: str | None, console) -> DictConfig:
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, saved)
-    console.print(f"[yellow]resume[/]: the data is tokenized with the checkpoint's tokenizer ({path}); this config "
-                  "would train another")
+    console.print(f"[yellow]checkpoint[/]: the data is tokenized with the checkpoint's tokenizer ({path}); this "
+                  "config would train another")
     data = OmegaConf.to_container(cfg.data, resolve=True)
     data["tokenizer"]["path"] = str(path)
     return OmegaConf.create(data)
+
+
+def _init_weights(module, init: str, tokenizer_json: str, console) -> None:
+    """init_from: the checkpoint's weights into the new run's model (step 0, fresh optimizer and schedule)."""
+    from model.checkpoint import load_weights_into
+    from model.config import ConfigError
+    from model.lightning_module import same_tokenizer
+
+    loaded = load_weights_into(module.model, init)
+    if loaded["tokenizer"] is not None and not same_tokenizer(loaded["tokenizer"], tokenizer_json):
+        raise ConfigError("data.tokenizer.path", "this run's", f"init_from={init} was trained with another "
+                          "tokenizer; leave data.tokenizer.path null (the data is then tokenized with the "
+                          "checkpoint's) or give the tokenizer.json it was trained with")
+    module.hparams["init_from"] = {"checkpoint": init, "step": loaded["step"], "attention": loaded["attention"]}
+    trained = loaded["attention"]
+    note = ("; the gates start at 0.5" if loaded["new_gates"] else
+            "; its gates are dropped" if loaded["dropped_gates"] else "")
+    console.print(f"[bold]init_from[/]: weights of {init} (step {loaded['step']}, trained as "
+                  f"{trained.get('kind')} w={trained.get('window')}{note}); step 0, a fresh optimizer and schedule")
 
 
 def train(cfg: DictConfig) -> dict:
@@ -382,7 +411,12 @@ def train(cfg: DictConfig) -> dict:
     accumulate = _accumulation(cfg, world)  # refused here, before the data preparation, if it does not divide
 
     ckpt = _resume_checkpoint(cfg, ckpt_dir)
-    data = prepare(_data_config(cfg, ckpt, console), cfg.data.cache_dir)
+    init = None  # init_from starts a run; a resume of that run continues from its own checkpoint instead
+    if ckpt is None and cfg.get("init_from"):
+        from model.checkpoint import find_checkpoint
+
+        init = str(find_checkpoint(cfg.init_from))
+    data = prepare(_data_config(cfg, ckpt or init, console), cfg.data.cache_dir)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no tokenizer thread pool in forked DataLoader workers
     if data.vocab_size > model_cfg.vocab_size:
         raise ConfigError("model.vocab_size", model_cfg.vocab_size,
@@ -400,7 +434,10 @@ def train(cfg: DictConfig) -> dict:
                         attention=OmegaConf.to_container(cfg.attention, resolve=True),
                         optim=OmegaConf.to_container(cfg.optim, resolve=True), seed=cfg.seed,
                         max_steps=int(cfg.optim.get("schedule_steps") or cfg.trainer.max_steps),
-                        data=OmegaConf.to_container(cfg.data, resolve=True))
+                        data=OmegaConf.to_container(cfg.data, resolve=True),
+                        init_from={"checkpoint": init} if init else None)
+    if init:
+        _init_weights(module, init, data.tokenizer_path.read_text(), console)
     if cfg.trainer.get("compile"):
         module.model.compile_blocks()
     n_params = module.model.num_parameters()

@@ -125,7 +125,7 @@ def same_tokenizer(a: str, b: str) -> bool:
 
 class LitDecoder(L.LightningModule):
     def __init__(self, model: dict, attention: dict, optim: dict, seed: int = 0, max_steps: int = 1000,
-                 data: dict | None = None):
+                 data: dict | None = None, init_from: dict | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.model = Decoder(ModelConfig(**model), AttentionConfig(**attention), seed=seed)

@@ -255,6 +255,34 @@ def test_older_step_checkpoints_shrink_to_their_weights(tmp_path, corpus_file, d
     assert sorted(p.name for p in (ckpts / "weights").iterdir()) == ["step0000002.pt", "step0000004.pt"]
 
 
+def test_init_from_starts_a_new_run_from_another_runs_weights(tmp_path, corpus_file, data_cache, capsys):
+    from model.config import ConfigError
+
+    common = TINY + ["attention.window=8", "trainer.val_every_n_steps=2", "trainer.checkpoint_every_n_steps=2"]
+    source = tmp_path / "source"
+    first = train(compose_train(common + ["attention=sa", "trainer.max_steps=4"], source, corpus_file, data_cache))
+    # the same attention: the new run's validation before training scores the source's final weights
+    same = train(compose_train(common + ["attention=sa", "trainer.max_steps=2", f"init_from={source}"],
+                               tmp_path / "same", corpus_file, data_cache))
+    assert same["val/loss_at_start"] == pytest.approx(first["val/loss"], abs=1e-6)
+    rates = read_run_metrics(tmp_path / "same" / "metrics.csv")["train/lr"]
+    assert sorted(rates) == [0, 1] and rates[0] == pytest.approx(3e-3 / 2)  # step 0, the schedule's warmup anew
+    saved = torch.load(tmp_path / "same" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 2 and saved["hyper_parameters"]["init_from"]["step"] == 4
+    # SA weights start a gated SA+SWA model: its gates open at 0.5; resumed, the run continues from its own checkpoint
+    gated = tmp_path / "gated"
+    train(compose_train(common + ["attention=gated_sa_swa", "trainer.max_steps=2", f"init_from={source}"], gated,
+                        corpus_file, data_cache))
+    assert "the gates start at 0.5" in capsys.readouterr().err
+    assert read_run_metrics(gated / "metrics.csv")["gates/sa/layer00"][0] == 0.5
+    train(compose_train(common + ["attention=gated_sa_swa", "trainer.max_steps=4", f"init_from={source}",
+                                  "resume=auto", "optim.schedule_steps=2"], gated, corpus_file, data_cache))
+    assert sorted(read_run_metrics(gated / "metrics.csv")["train/loss"]) == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match="model.d_model"):
+        train(compose_train(common + ["attention=sa", "model.d_model=32", f"init_from={source}"], tmp_path / "bad",
+                            corpus_file, data_cache))
+
+
 def test_prepare_only_prepares_the_data_and_trains_nothing(tmp_path, corpus_file):
     cache = tmp_path / "cache"
     assert train(compose_train(TINY + ["prepare_only=true"], tmp_path / "run", corpus_file, cache)) == {}
