@@ -115,6 +115,8 @@ def _check_trainer_and_optim(cfg: DictConfig):
         if not torch.cuda.is_available():
             raise ConfigError("trainer.accelerator", t.accelerator, "this machine has no CUDA GPU; on CPU use "
                               "trainer=ddp_cpu (several processes) or trainer.accelerator=cpu")
+    if not isinstance(t.get("activation_checkpointing", False), bool):
+        raise ConfigError("trainer.activation_checkpointing", t.activation_checkpointing, "true or false")
     if not isinstance(t.get("compile", False), bool):
         raise ConfigError("trainer.compile", t.compile, "true or false (torch.compile every decoder block)")
     if t.get("compile") and cfg.attention.backend == "flex":
@@ -438,6 +440,9 @@ def train(cfg: DictConfig) -> dict:
                         init_from={"checkpoint": init} if init else None)
     if init:
         _init_weights(module, init, data.tokenizer_path.read_text(), console)
+    # under FSDP its own wrapper recomputes the blocks (activation_checkpointing_policy below)
+    module.model.checkpoint_activations = bool(cfg.trainer.get("activation_checkpointing")) and \
+        cfg.trainer.strategy != "fsdp"
     if cfg.trainer.get("compile"):
         module.model.compile_blocks()
     n_params = module.model.num_parameters()
@@ -465,7 +470,9 @@ def train(cfg: DictConfig) -> dict:
 
         from model.decoder import Block
 
-        strategy = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD")
+        strategy = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD",
+                                activation_checkpointing_policy={Block} if cfg.trainer.get("activation_checkpointing")
+                                else None)
     sigterm = CheckpointOnSigterm(ckpt_dir)
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, filename="step{step:07d}", auto_insert_metric_name=False,
                                  every_n_train_steps=int(cfg.trainer.checkpoint_every_n_steps), save_top_k=-1,

@@ -4,9 +4,11 @@
     python -m bench.model --model 360m --seq-len 2048 --batch 8   # GPU: the paper's shape (bf16 autocast)
     python -m bench.model --compile                     # also each variant with compiled blocks (trainer.compile)
     python -m bench.model --compiled-only               # compiled blocks only
+    python -m bench.model --recompute                   # also each variant with trainer.activation_checkpointing
 
 Times one training step without the optimizer (the part attention changes), median over steps after warm-up, and
-prints tokens/s and the step time relative to full attention. Writes bench/results/model_<device>_<model>_n<n>.csv.
+prints tokens/s, the step time relative to full attention, and the activation memory a step keeps for its backward
+(the bytes autograd saves, counted in one more step). Writes bench/results/model_<device>_<model>_n<n>.csv.
 """
 
 from __future__ import annotations
@@ -56,6 +58,24 @@ def step_ms(model, tokens, device, steps: int, autocast: bool) -> float:
     return statistics.median(times) * 1e3
 
 
+def saved_mb(model, tokens, autocast: bool) -> float:
+    """MB that autograd keeps for the backward in one training step (what activation checkpointing cuts)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return total / 2**20
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=SHAPES, default="small")
@@ -67,6 +87,7 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--compile", action="store_true", help="time every variant eager and with compiled blocks")
     p.add_argument("--compiled-only", action="store_true", help="time every variant with compiled blocks only")
+    p.add_argument("--recompute", action="store_true", help="also every variant with activation checkpointing")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
     keep_freed_memory()  # as train.py does
@@ -78,26 +99,32 @@ def main():
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, n + 1), device=device)
     autocast = device.type == "cuda"
     rows = []
+    compiled_options = (True,) if args.compiled_only else (False, True) if args.compile else (False,)
     for kind in args.variants:
-        for compiled in (True,) if args.compiled_only else (False, True) if args.compile else (False,):
+        for compiled, recompute in [(c, False) for c in compiled_options] + ([(False, True)] if args.recompute else []):
             torch.manual_seed(0)
             model = Decoder(cfg, AttentionConfig(kind=kind, window=args.window, backend=args.backend))
             model = model.to(device).train()
+            model.checkpoint_activations = recompute
             if compiled:
                 model.compile_blocks()  # as trainer.compile=true; the warm-up steps compile
             ms = step_ms(model, tokens, device, args.steps, autocast)
             rows.append({"device": torch.cuda.get_device_name() if autocast else "cpu", "model": args.model,
                          "params_m": round(model.num_parameters() / 1e6, 1), "batch": args.batch, "n": n,
                          "w": args.window, "variant": kind, "backend": args.backend, "compiled": compiled,
-                         "step_ms": round(ms, 2), "tokens_per_s": round(args.batch * n / ms * 1e3)})
+                         "recompute": recompute, "step_ms": round(ms, 2),
+                         "tokens_per_s": round(args.batch * n / ms * 1e3),
+                         "saved_mb": round(saved_mb(model, tokens, autocast), 1)})
             print(rows[-1], flush=True)
             del model
-    base = next((r["step_ms"] for r in rows if r["variant"] == "full" and not r["compiled"]), None)
-    print("\n| variant | step ms (fwd+bwd) | tokens/s | vs full (eager) |\n|---|---|---|---|")
+    base = next((r["step_ms"] for r in rows if r["variant"] == "full" and not r["compiled"] and not r["recompute"]),
+                None)
+    print("\n| variant | step ms (fwd+bwd) | tokens/s | vs full (eager) | saved for backward (MB) |\n"
+          "|---|---|---|---|---|")
     for r in rows:
         rel = f"{r['step_ms'] / base:.3f}" if base else "-"
-        name = r["variant"] + (" (compiled)" if r["compiled"] else "")
-        print(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,} | {rel} |")
+        name = r["variant"] + (" (compiled)" if r["compiled"] else "") + (" (recompute)" if r["recompute"] else "")
+        print(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,} | {rel} | {r['saved_mb']:,.0f} |")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"model_{'gpu' if autocast else 'cpu'}_{args.model}_n{n}.csv"
     with open(path, "w", newline="") as f:

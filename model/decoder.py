@@ -8,6 +8,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from model.attention import Attention
 from model.config import AttentionConfig, ModelConfig
@@ -39,6 +40,8 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        # trainer.activation_checkpointing: keep only each block's input in training, recompute the rest backward
+        self.checkpoint_activations = False
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -69,8 +72,10 @@ class Decoder(nn.Module):
         B, n = tokens.shape
         perms = [block.attn.draw_perm(n, B, lengths, tokens.device) for block in self.blocks]
         x = self.embed(tokens)
+        recompute = self.checkpoint_activations and self.training and torch.is_grad_enabled()
         for block, perm in zip(self.blocks, perms):
-            x = block(x, lengths, perm)
+            # recomputed in the backward from its inputs, pi included: the same permutations, the same result
+            x = checkpoint(block, x, lengths, perm, use_reentrant=False) if recompute else block(x, lengths, perm)
         return self.norm(x)
 
     def compile_blocks(self, **options) -> None:

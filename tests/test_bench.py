@@ -36,6 +36,18 @@ def test_attention_benchmark_writes_table_csv_and_plot(tmp_path):
     assert table.count("| 64 | torch |") == 3 and table.count("| 96 | torch |") == 3  # fwd, fwd+bwd, memory
 
 
+def test_model_benchmark_times_each_variant_with_and_without_recompute(tmp_path):
+    proc = run_module(["bench.model", "--variants", "sa", "gated_sa_swa", "--seq-len", "32", "--batch", "1",
+                       "--steps", "1", "--window", "8", "--recompute", "--out", str(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "model_cpu_small_n32.csv")))
+    assert [(r["variant"], r["recompute"]) for r in rows] == [("sa", "False"), ("sa", "True"),
+                                                             ("gated_sa_swa", "False"), ("gated_sa_swa", "True")]
+    saved = {(r["variant"], r["recompute"]): float(r["saved_mb"]) for r in rows}
+    assert all(saved[(v, "True")] < saved[(v, "False")] for v in ("sa", "gated_sa_swa"))
+    assert "| sa (recompute) |" in proc.stdout
+
+
 def test_cpu_peak_memory_is_the_largest_live_total_during_the_call():
     def call():
         a = torch.empty(2**20)  # 4 MiB

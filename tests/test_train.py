@@ -283,6 +283,45 @@ def test_init_from_starts_a_new_run_from_another_runs_weights(tmp_path, corpus_f
                             corpus_file, data_cache))
 
 
+def test_activation_checkpointing_keeps_the_gradients_and_saves_less():
+    """Recomputed in the backward with the same pi: the same gradients, and only each block's input kept."""
+    from model.config import AttentionConfig, ModelConfig
+    from model.decoder import Decoder
+
+    grads, saved = {}, {}
+    tokens = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(0))
+    for recompute in (False, True):
+        torch.manual_seed(0)  # the same initial weights
+        model = Decoder(ModelConfig(vocab_size=64, n_layers=3, d_model=32, n_heads=2, max_seq_len=48),
+                        AttentionConfig(kind="gated_sa_swa", window=8, backend="torch"), seed=1).train()
+        model.checkpoint_activations = recompute
+        model.sampler.step = 7
+        nbytes = []
+
+        def pack(t, nbytes=nbytes):
+            nbytes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).transpose(1, 2), tokens[:, 1:])
+        loss.backward()
+        grads[recompute] = {n: p.grad for n, p in model.named_parameters()}
+        saved[recompute] = sum(nbytes)
+    for name, grad in grads[False].items():
+        assert torch.allclose(grads[True][name], grad, atol=1e-6), name
+    assert saved[True] < saved[False] / 2, saved
+
+
+def test_a_run_with_activation_checkpointing_logs_the_same_losses(tmp_path, corpus_file, data_cache):
+    common = TINY + ["attention=sa", "attention.window=8", "trainer.max_steps=3", "trainer.val_every_n_steps=3"]
+    plain = train(compose_train(common, tmp_path / "plain", corpus_file, data_cache))
+    recomputed = train(compose_train(common + ["trainer.activation_checkpointing=true"], tmp_path / "ckpt",
+                                     corpus_file, data_cache))
+    assert recomputed["val/loss"] == pytest.approx(plain["val/loss"], abs=1e-5)
+    losses = [read_run_metrics(tmp_path / name / "metrics.csv")["train/loss"] for name in ("plain", "ckpt")]
+    assert all(losses[1][step] == pytest.approx(value, abs=1e-5) for step, value in losses[0].items())
+
+
 def test_prepare_only_prepares_the_data_and_trains_nothing(tmp_path, corpus_file):
     cache = tmp_path / "cache"
     assert train(compose_train(TINY + ["prepare_only=true"], tmp_path / "run", corpus_file, cache)) == {}
