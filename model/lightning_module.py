@@ -281,6 +281,9 @@ class LitDecoder(L.LightningModule):
             if self._peak:
                 flops = self._flops(batch.shape[1] - 1) * tokens_per_s / self.trainer.world_size
                 self.log("train/mfu", flops / self._peak)
+        if self.device.type == "cuda":  # the highest of any rank: the one that runs out first
+            self.log("train/max_memory_gib", torch.cuda.max_memory_allocated(self.device) / 2**30, reduce_fx="max",
+                     sync_dist=True)
         self._last_time, self._save_started = now, None
 
     def _flops(self, seq_len: int) -> float:
