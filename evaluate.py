@@ -21,10 +21,12 @@ ROOT = Path(__file__).resolve().parent
 
 
 def run_dir_of(ckpt: str | Path) -> Path:
-    """A run directory, or the run directory a checkpoint file belongs to (<run>/checkpoints/x.ckpt -> <run>)."""
+    """A run directory, or the run directory a checkpoint file belongs to (<run>/checkpoints/x.ckpt and
+    trainer.keep_checkpoints' <run>/checkpoints/weights/x.pt -> <run>)."""
     path = Path(ckpt)
     if path.is_file():
-        return path.parent.parent if path.parent.name == "checkpoints" else path.parent
+        folder = path.parent.parent if path.parent.name == "weights" else path.parent
+        return folder.parent if folder.name == "checkpoints" else path.parent
     return path
 
 

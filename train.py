@@ -109,7 +109,7 @@ def _check_trainer_and_optim(cfg: DictConfig):
                           "GPUs, or auto")
     if devices == -1 and t.accelerator == "cpu":
         raise ConfigError("trainer.devices", devices, "-1 (every GPU) needs a GPU accelerator; give a count on CPU")
-    if t.accelerator in ("gpu", "cuda"):
+    if t.accelerator in ("gpu", "cuda") and not cfg.get("prepare_only"):  # data is prepared on CPU nodes too
         import torch
 
         if not torch.cuda.is_available():
@@ -130,7 +130,8 @@ def _check_trainer_and_optim(cfg: DictConfig):
                           ">= 1 (null: every one)")
     if not isinstance(t.get("keep_weights", True), bool):
         raise ConfigError("trainer.keep_weights", t.keep_weights, "true or false")
-    _check_cpu_training(cfg)
+    if not cfg.get("prepare_only"):
+        _check_cpu_training(cfg)
     if not float(o.lr) > 0:
         raise ConfigError("optim.lr", o.lr, "must be positive")
     if float(o.weight_decay) < 0:
@@ -246,7 +247,7 @@ def _wandb_mode(requested: str) -> str:
     return "online" if has_key else "offline"
 
 
-def _loggers(cfg, run_dir: Path, resuming: bool):
+def _loggers(cfg, run_dir: Path, resume_step: int | None):
     from lightning.pytorch.loggers import WandbLogger
 
     from model.csv_log import RunCSVLogger
@@ -260,20 +261,29 @@ def _loggers(cfg, run_dir: Path, resuming: bool):
             loggers.append(WandbLogger(project=wb.project, entity=wb.entity, group=wb.group, name=cfg.run_name,
                                        tags=list(wb.tags), save_dir=str(run_dir), offline=mode == "offline",
                                        config=OmegaConf.to_container(cfg, resolve=True),
-                                       id=_wandb_run_id(run_dir, resuming), resume="allow"))
+                                       id=_wandb_run_id(run_dir, resume_step), resume="allow"))
     return loggers
 
 
 WANDB_ID_FILE = "wandb_run_id.txt"
 
 
-def _wandb_run_id(run_dir: Path, resuming: bool) -> str:
-    """One W&B run per training run: a resume from this run's own checkpoint continues the W&B run it started (each
-    preemption opened a new one, which split the curves), a fresh run gets a new id. Rank zero keeps it in the run
-    directory; the other ranks log nothing to W&B."""
+def _wandb_run_id(run_dir: Path, resume_step: int | None) -> str:
+    """One W&B run per training run: a resume from this run's own checkpoint (at resume_step) continues the W&B run
+    it started (each preemption opened a new one, which split the curves), a fresh run gets a new id. So does a
+    resume from a checkpoint older than the steps already logged (a hard kill: SIGKILL, a node lost), whose steps
+    would be logged twice into one W&B run. Rank zero keeps the id in the run directory; the other ranks log
+    nothing to W&B."""
     path = run_dir / WANDB_ID_FILE
-    if resuming and path.is_file():
-        return path.read_text().strip()
+    if resume_step is not None and path.is_file():
+        from tools.runs import read_metrics
+
+        logged = read_metrics(run_dir / "metrics.csv").get("train/loss", {}) if (run_dir / "metrics.csv").is_file() \
+            else {}
+        if max(logged, default=-1) < resume_step:
+            return path.read_text().strip()
+        print(f"W&B: the checkpoint (step {resume_step}) is older than the steps already logged (to "
+              f"{max(logged)}): a new W&B run for the resumed one", file=sys.stderr)
     import uuid
 
     from data.shards import atomic_write_text
@@ -306,6 +316,8 @@ def _set_aside_earlier_run(run_dir: Path, ckpt_dir: Path) -> Path | None:
     only; ranks started later find nothing to move). The checkpoint files move, not their folder, which may be a link
     to other storage. tools/runs.py does not count previous-* folders as runs."""
     ckpts = sorted(ckpt_dir.glob("*.ckpt")) if ckpt_dir.is_dir() else []
+    if (ckpt_dir / "weights").is_dir():  # trainer.keep_checkpoints' weights-only files of older steps
+        ckpts.append(ckpt_dir / "weights")
     found = [run_dir / name for name in EARLIER_RUN_FILES if (run_dir / name).exists()]
     if not _is_global_zero_from_env() or not (ckpts or (run_dir / "metrics.csv").exists()):
         return None
@@ -409,8 +421,9 @@ def train(cfg: DictConfig) -> dict:
     accelerator = cfg.trainer.accelerator
     use_cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     devices = _devices(cfg)
+    prepare_only = bool(cfg.get("prepare_only"))  # on a CPU node, for the GPU job: its devices are not this node's
     world = int(cfg.trainer.num_nodes) * _device_count(devices, use_cuda)
-    accumulate = _accumulation(cfg, world)  # refused here, before the data preparation, if it does not divide
+    accumulate = None if prepare_only else _accumulation(cfg, world)  # refused before the data preparation
 
     ckpt = _resume_checkpoint(cfg, ckpt_dir)
     init = None  # init_from starts a run; a resume of that run continues from its own checkpoint instead
@@ -418,6 +431,19 @@ def train(cfg: DictConfig) -> dict:
         from model.checkpoint import find_checkpoint
 
         init = str(find_checkpoint(cfg.init_from))
+    if not prepare_only:  # built before the (possibly long) preparation: its size is printed first
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
+        module = LitDecoder(model=OmegaConf.to_container(cfg.model, resolve=True),
+                            attention=OmegaConf.to_container(cfg.attention, resolve=True),
+                            optim=OmegaConf.to_container(cfg.optim, resolve=True), seed=cfg.seed,
+                            max_steps=int(cfg.optim.get("schedule_steps") or cfg.trainer.max_steps),
+                            data=OmegaConf.to_container(cfg.data, resolve=True),
+                            init_from={"checkpoint": init} if init else None)
+        n_params = module.model.num_parameters()
+        console.print(f"[bold]model[/]: {n_params / 1e6:.2f}M parameters "
+                      f"({module.model.num_parameters(non_embedding=True) / 1e6:.2f}M non-embedding), "
+                      f"attention={attn_cfg.kind} window={attn_cfg.window} backend={attn_cfg.backend}")
+
     data = prepare(_data_config(cfg, ckpt or init, console), cfg.data.cache_dir)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no tokenizer thread pool in forked DataLoader workers
     if data.vocab_size > model_cfg.vocab_size:
@@ -426,18 +452,10 @@ def train(cfg: DictConfig) -> dict:
                           f"raise it to >= {data.vocab_size}")
     console.print(f"[bold]data[/]: {data.meta['tokens']['train']:,} train / {data.meta['tokens']['val']:,} val tokens "
                   f"in {data.root}")
-    if cfg.get("prepare_only"):
+    if prepare_only:
         console.print("prepare_only=true: the data is prepared; a training run with the same data.* config and "
                       "paths.cache_dir uses it as it is")
         return {}
-
-    L.seed_everything(cfg.seed, workers=True, verbose=False)  # after the preparation: weights do not depend on it
-    module = LitDecoder(model=OmegaConf.to_container(cfg.model, resolve=True),
-                        attention=OmegaConf.to_container(cfg.attention, resolve=True),
-                        optim=OmegaConf.to_container(cfg.optim, resolve=True), seed=cfg.seed,
-                        max_steps=int(cfg.optim.get("schedule_steps") or cfg.trainer.max_steps),
-                        data=OmegaConf.to_container(cfg.data, resolve=True),
-                        init_from={"checkpoint": init} if init else None)
     if init:
         _init_weights(module, init, data.tokenizer_path.read_text(), console)
     # under FSDP its own wrapper recomputes the blocks (activation_checkpointing_policy below)
@@ -445,10 +463,6 @@ def train(cfg: DictConfig) -> dict:
         cfg.trainer.strategy != "fsdp"
     if cfg.trainer.get("compile"):
         module.model.compile_blocks()
-    n_params = module.model.num_parameters()
-    console.print(f"[bold]model[/]: {n_params / 1e6:.2f}M parameters "
-                  f"({module.model.num_parameters(non_embedding=True) / 1e6:.2f}M non-embedding), "
-                  f"attention={attn_cfg.kind} window={attn_cfg.window} backend={attn_cfg.backend}")
 
     module.tokenizer_json = data.tokenizer_path.read_text()
     if cfg.data.get("loss_only_after") is not None:
@@ -492,7 +506,9 @@ def train(cfg: DictConfig) -> dict:
         aside = _set_aside_earlier_run(run_dir, ckpt_dir)
         if aside is not None:
             console.print(f"[yellow]{run_dir}[/] held an earlier run's files: moved to {aside}")
-    loggers = _loggers(cfg, run_dir, resuming)
+    resume_step = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)["global_step"] \
+        if resuming else None
+    loggers = _loggers(cfg, run_dir, resume_step)
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator, devices=devices, num_nodes=int(cfg.trainer.num_nodes), strategy=strategy,
         precision=_precision(cfg, use_cuda), max_steps=max_steps, max_epochs=-1,

@@ -79,8 +79,9 @@ def parse_args(argv: list[str], defaults: dict = DEFAULTS, int_keys: tuple = INT
 
 
 def run_dir_of(ckpt: Path) -> Path | None:
-    """The training run a checkpoint belongs to (the folder holding config.yaml), if any."""
-    for folder in (ckpt, ckpt.parent, ckpt.parent.parent):
+    """The training run a checkpoint belongs to (the folder holding config.yaml), if any: <run>/checkpoints/x.ckpt
+    or <run>/checkpoints/weights/x.pt (trainer.keep_checkpoints)."""
+    for folder in (ckpt, ckpt.parent, ckpt.parent.parent, ckpt.parent.parent.parent):
         if folder.is_dir() and (folder / "config.yaml").is_file():
             return folder
     return None

@@ -121,13 +121,17 @@ def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
             return _build(cfg, root, progress)
 
 
+# TOKENIZERS_PARALLELISM as the process started: set afterwards, it is ours (below, or train.py's), not the user's
+_USER_PARALLELISM = os.environ.get("TOKENIZERS_PARALLELISM")
+
+
 @contextmanager
 def tokenizer_threads():
     """HF tokenizers' thread pool on while a corpus is tokenized (BPE training and encode_batch: ~2x faster on 2
-    cores, more on a GPU node's, the same tokenizer and ids), unless TOKENIZERS_PARALLELISM was set by the user.
-    Afterwards the variable is set to false: DataLoader workers forked later then neither use a pool inherited
-    across fork nor print tokenizers' fork warning."""
-    if "TOKENIZERS_PARALLELISM" in os.environ:
+    cores, more on a GPU node's, the same tokenizer and ids), unless the user set TOKENIZERS_PARALLELISM. Afterwards
+    the variable is set to false: DataLoader workers forked later then neither use a pool inherited across fork nor
+    print tokenizers' fork warning (every job of a Hydra sweep in one process tokenizes with threads again)."""
+    if _USER_PARALLELISM is not None:
         yield
         return
     os.environ["TOKENIZERS_PARALLELISM"] = "true"

@@ -113,7 +113,7 @@ def load_weights_into(model: Decoder, path: str | Path) -> dict:
             "dropped_gates": bool(unexpected), "new_gates": bool(missing)}
 
 
-_STEP_FILE = re.compile(r"step(\d+)(?:-v\d+)?\.ckpt")
+_STEP_FILE = re.compile(r"step(\d+)(?:-v(\d+))?\.ckpt")
 # what only a resume needs: AdamW's two moments are 2/3 of a checkpoint of fp32 weights
 TRAINING_STATE = ("optimizer_states", "lr_schedulers", "loops", "callbacks")
 
@@ -125,10 +125,12 @@ def prune_step_checkpoints(ckpt_dir: str | Path, keep: int, keep_weights: bool =
     from data.shards import atomic_write
 
     ckpt_dir = Path(ckpt_dir)
-    found = sorted((int(m.group(1)), path.name, path) for path in ckpt_dir.glob("step*.ckpt")
+    # by step, then version: ModelCheckpoint writes step<N>-v1.ckpt beside an earlier history's step<N>.ckpt (a run
+    # continued from an older checkpoint of its own), and the newer one is the -v1
+    found = sorted((int(m.group(1)), int(m.group(2) or 0), path) for path in ckpt_dir.glob("step*.ckpt")
                    if (m := _STEP_FILE.fullmatch(path.name)))
     pruned = []
-    for step, _, path in found[: max(0, len(found) - keep)]:
+    for _, _, path in found[: max(0, len(found) - keep)]:
         if keep_weights:
             ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             weights = {k: v for k, v in ckpt.items() if k not in TRAINING_STATE}

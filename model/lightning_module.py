@@ -55,9 +55,12 @@ OPTIM_DEFAULTS = {"schedule": "cosine", "decay_fraction": 0.2}
 def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float, schedule: str = "cosine",
               decay_fraction: float = 0.2):
     """Linear warmup, then down to min_lr_ratio * lr at max_steps: cosine, linear, or wsd (warmup-stable-decay:
-    the full rate until the last decay_fraction of the steps, then a linear cool-down; a checkpoint of the stable
-    phase resumed with another optim.schedule_steps branches a decay for another budget), or constant (no decay)."""
-    decay_start = max(warmup_steps, max_steps - round(decay_fraction * max_steps)) if schedule == "wsd" else warmup_steps
+    the full rate until the last decay_fraction of the steps, at least one, then a linear cool-down; a checkpoint of
+    the stable phase resumed with another optim.schedule_steps branches a decay for another budget), or constant.
+    As in HF's schedules the rate reaches min_lr_ratio at step max_steps, one past the last update of a run that
+    trains max_steps steps."""
+    decay_steps = max(1, round(decay_fraction * max_steps))
+    decay_start = max(warmup_steps, max_steps - decay_steps) if schedule == "wsd" else warmup_steps
 
     def fn(step: int) -> float:
         if step < warmup_steps:
@@ -174,6 +177,9 @@ class LitDecoder(L.LightningModule):
                                   "tokenizer; leave data.tokenizer.path null (a resume then tokenizes with the "
                                   "checkpoint's) or give the tokenizer.json it was trained with")
         self.tokenizer_json = self.tokenizer_json or saved_tokenizer
+        started = (checkpoint.get("hyper_parameters") or {}).get("init_from")
+        if started and not self.hparams.get("init_from"):  # a resumed init_from run: where it started stays recorded
+            self.hparams["init_from"] = started
         saved_layout = checkpoint.get("layout")
         if saved_layout and self._trainer is not None:
             now = self._layout()
@@ -370,15 +376,17 @@ class PruneStepCheckpoints(L.Callback):
         self.ckpt_dir, self.keep, self.keep_weights = ckpt_dir, keep, keep_weights
         self._step = None
 
-    def on_train_batch_end(self, trainer, *args):
+    def on_train_batch_end(self, trainer, pl_module, *args):
         if trainer.is_global_zero and trainer.global_step != self._step:
             self._step = trainer.global_step
-            self.prune()
+            started = time.perf_counter()
+            if self.prune():  # reading and rewriting checkpoints is no training step's time (train/tokens_per_s)
+                pl_module._save_started = pl_module._save_started or started
 
-    def prune(self):
+    def prune(self) -> list:
         from model.checkpoint import prune_step_checkpoints
 
-        prune_step_checkpoints(self.ckpt_dir, self.keep, self.keep_weights)
+        return prune_step_checkpoints(self.ckpt_dir, self.keep, self.keep_weights)
 
 
 class CheckpointOnSigterm(L.Callback):

@@ -382,10 +382,12 @@ def test_a_corpus_is_tokenized_with_threads_and_they_are_off_afterwards(tmp_path
         return real_train_bpe(*args, **kwargs)
 
     monkeypatch.setattr(prepare_module, "train_bpe", recording_train_bpe)
-    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    monkeypatch.setattr(prepare_module, "_USER_PARALLELISM", None)  # as if the process had started without it
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # set since by this code (a sweep's earlier job)
     threaded = prepare(data_cfg([corpus_file]), tmp_path / "threaded", progress=False)
     assert seen == ["true"] and os.environ["TOKENIZERS_PARALLELISM"] == "false"
     # the user's setting wins, and the threads change neither the tokenizer nor the ids
+    monkeypatch.setattr(prepare_module, "_USER_PARALLELISM", "false")
     single = prepare(data_cfg([corpus_file]), tmp_path / "single", progress=False)
     assert seen == ["true", "false"]
     assert threaded.tokenizer_path.read_text() == single.tokenizer_path.read_text()

@@ -716,6 +716,19 @@ def test_evaluate_py_on_a_run_directory(tiny_ckpt, evaldata, tmp_path):
     assert (out / ".hydra" / "config.yaml").is_file()
 
 
+def test_results_of_any_checkpoint_file_go_to_its_run(tmp_path):
+    from analysis.probe_eval import run_dir_of as probe_run_dir
+    from evaluate import run_dir_of
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "weights").mkdir(parents=True)
+    (run / "config.yaml").write_text("seed: 0\n")
+    for name in ("checkpoints/last.ckpt", "checkpoints/weights/step0000004.pt"):
+        (run / name).write_bytes(b"")
+        assert run_dir_of(run / name) == run and probe_run_dir(run / name) == run, name
+    assert run_dir_of(run) == run
+
+
 def test_sample_py_prints_seeded_samples_and_writes_nothing(tiny_ckpt, tmp_path):
     args = [str(ROOT / "sample.py"), f"ckpt={tiny_ckpt.parent.parent}", "prompt=The value of", "num_samples=2",
             "max_new_tokens=12", "attention.window=4"]

@@ -199,6 +199,9 @@ def test_learning_rate_schedules():
     assert rates["cosine"][60] == pytest.approx(0.55) and rates["cosine"][35] > 0.55 + 0.45 / 2
     # wsd: the full rate up to the last 20% of the 110 steps (step 88), then a straight line down
     assert rates["wsd"][10:88] == [1.0] * 78 and rates["wsd"][99] == pytest.approx(0.55)
+    assert rates["wsd"][109] == pytest.approx(0.1 + 0.9 / 22)  # the last update: one step before the minimum
+    short = lr_lambda(2, 10, 0.1, "wsd", 0.01)  # a share of the steps under one step still decays over one
+    assert [short(s) for s in (8, 9, 10)] == [1.0, 1.0, pytest.approx(0.1)]
 
 
 def test_a_run_follows_the_configured_schedule(tmp_path, corpus_file, data_cache):
@@ -226,10 +229,15 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_fresh_one_starts_another(tm
     first = (run / "wandb_run_id.txt").read_text().strip()
     train(compose_train(common + ["trainer.max_steps=4", "resume=auto"], run, corpus_file, data_cache))
     assert wandb_ids() == [first, first]
+    # as after a hard kill: a checkpoint older than the steps logged would log steps 2-3 twice into one W&B run
+    train(compose_train(common + ["trainer.max_steps=4", f"ckpt_path={run / 'checkpoints' / 'step0000002.ckpt'}"],
+                        run, corpus_file, data_cache))
+    again = (run / "wandb_run_id.txt").read_text().strip()
+    assert again != first and wandb_ids() == sorted([first, first, again])
     train(compose_train(common + ["trainer.max_steps=2"], run, corpus_file, data_cache))  # a fresh run, same folder
     second = (run / "wandb_run_id.txt").read_text().strip()
-    assert second != first and wandb_ids() == sorted([first, first, second])
-    assert (run / "previous-1" / "wandb_run_id.txt").read_text().strip() == first
+    assert second not in (first, again) and wandb_ids() == sorted([first, first, again, second])
+    assert (run / "previous-1" / "wandb_run_id.txt").read_text().strip() == again
 
 
 def test_older_step_checkpoints_shrink_to_their_weights(tmp_path, corpus_file, data_cache):
@@ -253,6 +261,23 @@ def test_older_step_checkpoints_shrink_to_their_weights(tmp_path, corpus_file, d
                                   "resume=auto"], tmp_path / "kept", corpus_file, data_cache))
     assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["last.ckpt", "step0000009.ckpt"]
     assert sorted(p.name for p in (ckpts / "weights").iterdir()) == ["step0000002.pt", "step0000004.pt"]
+    # a fresh run in the folder moves the weights aside with the rest of the earlier run
+    train(compose_train(common + ["trainer.max_steps=2"], tmp_path / "kept", corpus_file, data_cache))
+    assert not (ckpts / "weights").exists()
+    assert sorted(p.name for p in (tmp_path / "kept" / "previous-1" / "checkpoints" / "weights").iterdir()) == [
+        "step0000002.pt", "step0000004.pt"]
+
+
+def test_pruning_keeps_the_newest_version_of_a_step(tmp_path):
+    from model.checkpoint import prune_step_checkpoints
+
+    for name, step in (("step0000004.ckpt", 4), ("step0000004-v1.ckpt", 4), ("step0000002.ckpt", 2)):
+        torch.save({"global_step": step, "state_dict": {}, "optimizer_states": [1], "name": name}, tmp_path / name)
+    pruned = prune_step_checkpoints(tmp_path, keep=1)
+    assert sorted(p.name for p in pruned) == ["step0000002.ckpt", "step0000004.ckpt"]
+    assert (tmp_path / "step0000004-v1.ckpt").is_file()
+    slim = torch.load(tmp_path / "weights" / "step0000004.pt", weights_only=True)
+    assert slim == {"global_step": 4, "state_dict": {}, "name": "step0000004.ckpt"}  # no training state
 
 
 def test_init_from_starts_a_new_run_from_another_runs_weights(tmp_path, corpus_file, data_cache, capsys):
@@ -278,6 +303,8 @@ def test_init_from_starts_a_new_run_from_another_runs_weights(tmp_path, corpus_f
     train(compose_train(common + ["attention=gated_sa_swa", "trainer.max_steps=4", f"init_from={source}",
                                   "resume=auto", "optim.schedule_steps=2"], gated, corpus_file, data_cache))
     assert sorted(read_run_metrics(gated / "metrics.csv")["train/loss"]) == [0, 1, 2, 3]
+    resumed = torch.load(gated / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 4 and resumed["hyper_parameters"]["init_from"]["step"] == 4  # still recorded
     with pytest.raises(ConfigError, match="model.d_model"):
         train(compose_train(common + ["attention=sa", "model.d_model=32", f"init_from={source}"], tmp_path / "bad",
                             corpus_file, data_cache))
