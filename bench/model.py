@@ -108,23 +108,29 @@ def main():
             model.checkpoint_activations = recompute
             if compiled:
                 model.compile_blocks()  # as trainer.compile=true; the warm-up steps compile
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             ms = step_ms(model, tokens, device, args.steps, autocast)
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
             rows.append({"device": torch.cuda.get_device_name() if autocast else "cpu", "model": args.model,
                          "params_m": round(model.num_parameters() / 1e6, 1), "batch": args.batch, "n": n,
                          "w": args.window, "variant": kind, "backend": args.backend, "compiled": compiled,
                          "recompute": recompute, "step_ms": round(ms, 2),
                          "tokens_per_s": round(args.batch * n / ms * 1e3),
-                         "saved_mb": round(saved_mb(model, tokens, autocast), 1)})
+                         "saved_mb": round(saved_mb(model, tokens, autocast), 1),
+                         "peak_gib": None if peak is None else round(peak, 2)})
             print(rows[-1], flush=True)
             del model
     base = next((r["step_ms"] for r in rows if r["variant"] == "full" and not r["compiled"] and not r["recompute"]),
                 None)
-    print("\n| variant | step ms (fwd+bwd) | tokens/s | vs full (eager) | saved for backward (MB) |\n"
-          "|---|---|---|---|---|")
+    peak = rows[0]["peak_gib"] is not None
+    print("\n| variant | step ms (fwd+bwd) | tokens/s | vs full (eager) | saved for backward (MB) |"
+          + (" peak GiB |" if peak else "") + "\n|---|---|---|---|---|" + ("---|" if peak else ""))
     for r in rows:
         rel = f"{r['step_ms'] / base:.3f}" if base else "-"
         name = r["variant"] + (" (compiled)" if r["compiled"] else "") + (" (recompute)" if r["recompute"] else "")
-        print(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,} | {rel} | {r['saved_mb']:,.0f} |")
+        print(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,} | {rel} | {r['saved_mb']:,.0f} |"
+              + (f" {r['peak_gib']:.2f} |" if peak else ""))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"model_{'gpu' if autocast else 'cpu'}_{args.model}_n{n}.csv"
     with open(path, "w", newline="") as f:
