@@ -95,6 +95,21 @@ def main(cfg: DictConfig):
     return summary.get("avg_acc", {}) and summary["avg_acc"]["value"]
 
 
+def exported_attention(name: str, attention: dict) -> dict:
+    """A folder written by hf.export runs with the attention it was trained with unless attention.kind is given
+    (it would otherwise run as full attention, silently)."""
+    import json
+
+    exported = Path(name) / "sa_export.json"
+    if not exported.is_file() or "kind" in attention:
+        return attention
+    trained = json.loads(exported.read_text())["attention"]
+    attention = {**attention, "kind": trained["kind"], "window": attention.get("window", trained["window"])}
+    print(f"eval: attention {trained['kind']} (w={attention['window']}), as {name} was trained (sa_export.json; "
+          "attention.kind=<kind> sets another)", file=sys.stderr)
+    return attention
+
+
 def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path):
     """A pretrained HuggingFace model with SA / SWA / MoBA at prefill (weights untouched), through lm-eval's HFLM.
 
@@ -112,6 +127,7 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
     from hf.patch import load_hf_model
     from model.config import ConfigError
 
+    attention = exported_attention(name, attention)
     kind = attention.get("kind", "full")
     if kind not in ("full", "swa", "sa", "moba"):
         print(f"error: attention.kind={kind!r} is not available for HuggingFace models (full, swa, sa, moba)",

@@ -45,6 +45,12 @@ def sample(cfg: DictConfig) -> list[str]:
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     attention = {k: v for k, v in OmegaConf.to_container(cfg.attention).items() if v is not None}
     loaded = load_checkpoint(cfg.ckpt, attention=attention or None, device=device)
+    trained = loaded.hparams.get("attention") or {}
+    changed = [f"{k} {trained[k]} -> {v}" for k, v in attention.items() if k in ("kind", "window")
+               and k in trained and trained[k] != v]
+    if changed:
+        print(f"note: sampling with another attention than the checkpoint was trained with ({', '.join(changed)})",
+              file=sys.stderr)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     prompt = loaded.tokenizer.encode(cfg.prompt, add_special_tokens=False).ids if cfg.prompt else [loaded.eos_id]
     generator = torch.Generator(device=device).manual_seed(int(cfg.seed))

@@ -295,7 +295,8 @@ def _wandb_run_id(run_dir: Path, resume_step: int | None) -> str:
     return run_id
 
 
-EARLIER_RUN_FILES = ("metrics.csv", "hparams.yaml", "config.yaml", "git_revision.txt", "eval", WANDB_ID_FILE)
+EARLIER_RUN_FILES = ("metrics.csv", "hparams.yaml", "config.yaml", "overrides.yaml", "git_revision.txt", "eval",
+                     WANDB_ID_FILE)
 
 
 def _is_global_zero_from_env() -> bool:
@@ -381,6 +382,24 @@ def _data_config(cfg: DictConfig, ckpt: str | None, console) -> DictConfig:
     return OmegaConf.create(data)
 
 
+def _check_against_checkpoints(module, ckpt: str | None, init: str | None) -> None:
+    """A resume whose config the checkpoint refuses (another shape, a switch to or from gated SA+SWA) and an
+    init_from checkpoint of another shape stop here, before the data is prepared. The resume's warnings are given
+    here too, once (the module's own check at load time then stays quiet)."""
+    import torch
+
+    from model.checkpoint import check_same_shape
+    from model.lightning_module import _check_resumed_config
+
+    if ckpt is not None:
+        saved = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters") or {}
+        _check_resumed_config(saved, dict(module.hparams))
+        module.resume_config_checked = True
+    elif init is not None:
+        saved = torch.load(init, map_location="cpu", weights_only=True, mmap=True)["hyper_parameters"]
+        check_same_shape(saved["model"], module.model.cfg, f"init_from={init}")
+
+
 def _init_weights(module, init: str, tokenizer_json: str, console) -> None:
     """init_from: the checkpoint's weights into the new run's model (step 0, fresh optimizer and schedule)."""
     from model.checkpoint import load_weights_into
@@ -400,8 +419,41 @@ def _init_weights(module, init: str, tokenizer_json: str, console) -> None:
                   f"{trained.get('kind')} w={trained.get('window')}{note}); step 0, a fresh optimizer and schedule")
 
 
-def train(cfg: DictConfig) -> dict:
-    """Compose -> validate -> prepare data -> fit. Returns the final metrics."""
+RUN_OVERRIDES = "overrides.yaml"  # the run's own record: Hydra's .hydra/overrides.yaml is rewritten at every start
+
+
+def _override_key(override: str) -> str:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_override(override).get_key_element().lstrip("+~")
+
+
+def _with_run_overrides(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
+    """(config, overrides) of this start. A resume of a run (resume=auto, or a ckpt_path under its checkpoints/)
+    continues it as it was started: the overrides it ran with (<run dir>/overrides.yaml) first, then today's, so
+    `python train.py hydra.run.dir=<run dir> resume=auto` resumes an SA run on its own corpus, where it had
+    composed the defaults (full attention, the embedded corpus) and trained those on from the SA checkpoint."""
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+
+    today = list(HydraConfig.get().overrides.task)
+    run_dir = Path(cfg.paths.run_dir)
+    resuming = cfg.resume == "auto" or (cfg.ckpt_path and _own_checkpoint(cfg.ckpt_path, run_dir / "checkpoints"))
+    if not resuming or not (run_dir / RUN_OVERRIDES).is_file():
+        return cfg, today
+    given = {_override_key(o) for o in today}
+    earlier = [o for o in OmegaConf.to_container(OmegaConf.load(run_dir / RUN_OVERRIDES))
+               if _override_key(o) not in given | {"resume", "ckpt_path"}]
+    if not earlier:
+        return cfg, today
+    print(f"resume: the run's own overrides ({' '.join(earlier)}), then today's", file=sys.stderr)
+    merged = earlier + today
+    return compose(config_name=HydraConfig.get().job.config_name, overrides=merged), merged
+
+
+def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
+    """Compose -> validate -> prepare data -> fit. Returns the final metrics. `overrides` (the command line's) are
+    kept in the run directory, for a resume to start from."""
     model_cfg, attn_cfg = check_config(cfg)
 
     import lightning as L
@@ -412,6 +464,7 @@ def train(cfg: DictConfig) -> dict:
 
     from data.datamodule import TokenDataModule
     from data.prepare import prepare
+    from data.shards import atomic_write_text
     from model.config import ConfigError
     from model.lightning_module import CheckpointOnSigterm, LitDecoder, PruneStepCheckpoints, save_step_checkpoint
 
@@ -443,6 +496,7 @@ def train(cfg: DictConfig) -> dict:
         console.print(f"[bold]model[/]: {n_params / 1e6:.2f}M parameters "
                       f"({module.model.num_parameters(non_embedding=True) / 1e6:.2f}M non-embedding), "
                       f"attention={attn_cfg.kind} window={attn_cfg.window} backend={attn_cfg.backend}")
+        _check_against_checkpoints(module, ckpt, init)  # before any data work, and before config.yaml is rewritten
 
     data = prepare(_data_config(cfg, ckpt or init, console), cfg.data.cache_dir)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no tokenizer thread pool in forked DataLoader workers
@@ -520,6 +574,9 @@ def train(cfg: DictConfig) -> dict:
     if trainer.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        if overrides is not None:
+            atomic_write_text(run_dir / RUN_OVERRIDES, OmegaConf.to_yaml(OmegaConf.create(
+                [o for o in overrides if _override_key(o) not in ("resume", "ckpt_path")])))
         (run_dir / "git_revision.txt").write_text(_git_revision() + "\n")
     ok = False
     # Under FSDP a validate() outside fit wraps the blocks in place; fit then finds them wrapped, leaves the root
@@ -531,6 +588,10 @@ def train(cfg: DictConfig) -> dict:
     try:
         trainer.validate(module, datamodule=datamodule, verbose=False) if ckpt is None and outside_fit else None
         start_loss = trainer.callback_metrics.get("val/loss")
+        if start_loss is None and resuming and (run_dir / "metrics.csv").is_file():  # the run's own step-0 score
+            from tools.runs import read_metrics
+
+            start_loss = read_metrics(run_dir / "metrics.csv").get("val/loss", {}).get(0)
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
         if trainer.global_step % int(cfg.trainer.checkpoint_every_n_steps):
             # ModelCheckpoint writes last.ckpt at train end only when the fit saved nothing: after step 28000 of
@@ -612,7 +673,8 @@ def main(cfg: DictConfig):
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     try:
-        metrics = train(cfg)
+        cfg, overrides = _with_run_overrides(cfg)
+        metrics = train(cfg, overrides)
     except (ConfigError, DataSourceError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

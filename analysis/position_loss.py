@@ -29,6 +29,7 @@ from data.shards import atomic_write_text
 DEFAULTS = {"ckpt": None, "text": None, "text_field": "text", "context": None, "windows": 128, "buckets": 12,
             "seeds": 1, "batch_size": 4, "device": "cpu", "out": None}
 INT_KEYS = ("context", "windows", "buckets", "seeds", "batch_size")
+BANDED = ("swa", "gated_sa_swa")  # variants with a sliding-window path, whose reach the table and plot mark
 
 
 def documents_of(loaded, run_dir: Path | None, text: str | None, text_field: str) -> tuple[list[np.ndarray], str]:
@@ -104,6 +105,10 @@ def score_run(ckpt: str, given: dict, attention: dict, log) -> dict:
     loaded = load_checkpoint(path, attention=attention or None, device=given["device"], context=given["context"])
     model, acfg = loaded.model, loaded.model.attn_cfg
     context = model.cfg.max_seq_len
+    trained = loaded.identity()["trained_context"]
+    if context > trained:
+        log(f"{ckpt}: context {context} past the trained {trained}: positions from {trained} on test length "
+            "extrapolation (RoPE positions never seen in training)")
     docs, source = documents_of(loaded, run_dir, given["text"], given["text_field"])
     windows = cut_windows(docs, context + 1, int(given["windows"]))
     seeds = [acfg.eval_seed + i for i in range(int(given["seeds"]))] if acfg.kind in ("sa", "gated_sa_swa") else [0]
@@ -135,9 +140,10 @@ def markdown(runs: list[dict]) -> str:
     for i, bucket in enumerate(runs[0]["buckets"]):
         lines.append(f"| {bucket['lo']}–{bucket['hi']} | " + " | ".join(f"{r['buckets'][i]['loss']:.3f}" for r in runs)
                      + " |")
-    lines += ["", "Trained context " + ", ".join(f"{r['label']}: {r['trained_context']}" for r in runs)
-              + "; SWA reach n_layers·(w−1): " + ", ".join(str(r["swa_reach"]) for r in runs if r["attention"]
-                                                           ["kind"] != "full")]
+    banded = [r for r in runs if r["attention"]["kind"] in BANDED]
+    lines += ["", "Trained context: " + ", ".join(f"{r['label']} {r['trained_context']}" for r in runs) + "."]
+    if banded:
+        lines[-1] += " SWA reach n_layers·(w−1): " + ", ".join(f"{r['label']} {r['swa_reach']}" for r in banded) + "."
     return "\n".join(lines) + "\n"
 
 
@@ -155,7 +161,7 @@ def plot(runs: list[dict], path: Path) -> None:
         ax.plot(centers, [loss[lo:hi].mean() for lo, hi in zip(edges, edges[1:])], marker=".", label=run["label"])
     for context in sorted({r["trained_context"] for r in runs}):
         ax.axvline(context, color="gray", ls="--", lw=1)
-    for reach in sorted({r["swa_reach"] for r in runs if r["attention"]["kind"] == "swa"}):
+    for reach in sorted({r["swa_reach"] for r in runs if r["attention"]["kind"] in BANDED}):
         ax.axvline(reach, color="tab:orange", ls=":", lw=1)
     ax.set_xscale("log")
     ax.set_xlabel("token position (tokens of context before it); dashed: trained context, dotted: SWA reach")

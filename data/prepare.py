@@ -88,6 +88,15 @@ def validate_data_config(cfg: dict) -> None:
                           'give the text of one token, e.g. " ?" (quoted), or null to train on every token')
     if not 0 < cfg["val_fraction"] < 1:
         raise ConfigError("data.val_fraction", cfg["val_fraction"], "must lie strictly between 0 and 1")
+    for key in ("max_tokens", "shard_tokens"):
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"data.{key}", value, "a positive number of tokens" + (
+                " (or null: the whole source)" if key == "max_tokens" else ""))
+    vocab = cfg["tokenizer"].get("vocab_size")
+    if not cfg["tokenizer"].get("path") and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 257):
+        raise ConfigError("data.tokenizer.vocab_size", cfg["tokenizer"].get("vocab_size"),
+                          "a byte-level BPE needs at least 257 tokens (256 bytes and the end-of-text token)")
     tok_path = cfg["tokenizer"].get("path")
     if tok_path and not Path(tok_path).is_file():
         raise ConfigError("data.tokenizer.path", tok_path, "no such tokenizer.json; set it to null to train one")

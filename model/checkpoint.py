@@ -89,21 +89,26 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
                        ckpt.get("global_step"), mtime_ns)
 
 
+def check_same_shape(saved_model: dict, cfg: ModelConfig, source: str) -> None:
+    """Refuse a model config whose parameter shapes differ from those a checkpoint was trained with."""
+    from model.config import ConfigError
+    from model.lightning_module import SHAPE_KEYS
+
+    saved = ModelConfig(**saved_model)
+    for key in SHAPE_KEYS:
+        if getattr(saved, key) != getattr(cfg, key):
+            raise ConfigError(f"model.{key}", getattr(cfg, key), f"{source} was trained with "
+                              f"{getattr(saved, key)!r}; its weights do not fit another shape")
+
+
 def load_weights_into(model: Decoder, path: str | Path) -> dict:
     """Copy a checkpoint's weights into `model` (train.py's init_from: a new run starts from them at step 0 with a
     fresh optimizer). The shapes must agree; the attention and the context may differ (RoPE tables are not saved):
     SA or SWA weights start a gated SA+SWA model with its gates at 0.5, a gated model's gates are dropped for a
     plain one. Returns what was loaded: checkpoint, step, trained attention, tokenizer JSON, dropped gates."""
-    from model.config import ConfigError
-    from model.lightning_module import SHAPE_KEYS
-
     ckpt_path = find_checkpoint(path)
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
-    saved = ModelConfig(**ckpt["hyper_parameters"]["model"])
-    for key in SHAPE_KEYS:
-        if getattr(saved, key) != getattr(model.cfg, key):
-            raise ConfigError(f"model.{key}", getattr(model.cfg, key), f"init_from={ckpt_path} was trained with "
-                              f"{getattr(saved, key)!r}; its weights do not fit another shape")
+    check_same_shape(ckpt["hyper_parameters"]["model"], model.cfg, f"init_from={ckpt_path}")
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if [k for k in missing if ".attn.gate." not in k] or [k for k in unexpected if ".attn.gate." not in k]:

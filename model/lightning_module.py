@@ -150,6 +150,7 @@ class LitDecoder(L.LightningModule):
         self.loss_only_after: str | None = None
         self.loss_after_id: int | None = None
         self._val_totals = None
+        self.resume_config_checked = False  # train.py compared the config with the checkpoint's already
 
     def on_save_checkpoint(self, checkpoint):
         # the first save after the step (ModelCheckpoint writes step<N>.ckpt, then last.ckpt) is where the step ended
@@ -194,7 +195,8 @@ class LitDecoder(L.LightningModule):
                 rank_zero_warn("resuming with another layout (" + "; ".join(changed) + "): the data order does not "
                                "continue exactly, and some batches may be seen twice; keep trainer.devices, "
                                "trainer.num_nodes and optim.tokens_per_step for an exact resume")
-        _check_resumed_config(checkpoint.get("hyper_parameters") or {}, dict(self.hparams))
+        if not self.resume_config_checked:  # train.py checks before the data preparation
+            _check_resumed_config(checkpoint.get("hyper_parameters") or {}, dict(self.hparams))
         saved = checkpoint.get("loss_only_after")  # absent in older checkpoints: they trained on every token
         if saved != self.loss_only_after:
             raise ConfigError("data.loss_only_after", self.loss_only_after,

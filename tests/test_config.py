@@ -76,6 +76,8 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("optim.schedule=step", "optim.schedule"),
         ("trainer.keep_checkpoints=0", "trainer.keep_checkpoints"),
         ("init_from=/nonexistent/run", "init_from"),
+        ("data.max_tokens=-5", "data.max_tokens"),
+        ("data.tokenizer.vocab_size=100", "data.tokenizer.vocab_size"),
         ("trainer.activation_checkpointing=1", "trainer.activation_checkpointing"),
         ("trainer.keep_weights=maybe", "trainer.keep_weights"),
         ("optim.decay_fraction=0", "optim.decay_fraction"),

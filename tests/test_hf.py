@@ -517,6 +517,11 @@ def test_an_exported_checkpoint_gives_the_trained_models_logits(tiny_ckpt, tmp_p
                               atol=1e-5)
     with pytest.raises(SystemExit, match="exists"):
         main([f"ckpt={tiny_ckpt}", f"out={out}"])
+    from evaluate import exported_attention
+
+    assert exported_attention(str(out), {}) == {"kind": "sa", "window": 8}  # evaluate.py model.hf=<out>: as trained
+    assert exported_attention(str(out), {"window": 16}) == {"kind": "sa", "window": 16}
+    assert exported_attention(str(out), {"kind": "full"}) == {"kind": "full"}
 
 
 def test_gated_checkpoints_are_not_exported(tmp_path, corpus_file, data_cache):

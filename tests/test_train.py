@@ -643,6 +643,26 @@ def cli_tiny(corpus, cache):
                                 "trainer.progress_bar=false"]
 
 
+def test_a_bare_resume_continues_the_run_with_its_own_overrides(tmp_path, corpus_file, data_cache):
+    """`python train.py hydra.run.dir=<run> resume=auto` composed the defaults: an SA run on a corpus of its own
+    went on as full attention on the embedded corpus, with one warning."""
+    run = tmp_path / "run"
+    first = run_cli(cli_tiny(corpus_file, data_cache) + ["attention=sa", "attention.window=8", "trainer.max_steps=2",
+                                                        "logger=csv", "eval.after_train=false", f"hydra.run.dir={run}"],
+                    cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = run_cli([f"hydra.run.dir={run}", "resume=auto", "trainer.max_steps=4"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resume: the run's own overrides (" in again.stderr
+    [warning] = [line for line in again.stderr.splitlines() if "differs from the checkpoint" in line]
+    assert "attention" not in warning and "data." not in warning  # nothing changed but the schedule's length
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 4 and saved["hyper_parameters"]["attention"]["kind"] == "sa"
+    recorded = (run / "overrides.yaml").read_text()
+    assert "attention=sa" in recorded and "trainer.max_steps=4" in recorded and "max_steps=2" not in recorded
+    assert "resume" not in recorded
+
+
 def test_ddp_on_two_cpu_processes(tmp_path, corpus_file, data_cache):
     run_dir = tmp_path / "ddp"
     res = run_cli(cli_tiny(corpus_file, data_cache) + ["trainer=ddp_cpu", "attention=sa", "attention.window=8",
