@@ -670,7 +670,13 @@ def main(cfg: DictConfig):
 
     keep_freed_memory()  # big CPU tensors stop paying page faults every step (SA_CPU_MALLOC=0: off)
 
+    import logging
+
     from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    if logging.getLogger().handlers:  # Hydra's (console and train.log) print Lightning's lines: not its own twice
+        for handler in list(logging.getLogger("lightning").handlers):
+            logging.getLogger("lightning").removeHandler(handler)
 
     try:
         cfg, overrides = _with_run_overrides(cfg)
