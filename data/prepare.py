@@ -136,8 +136,8 @@ _USER_PARALLELISM = os.environ.get("TOKENIZERS_PARALLELISM")
 
 @contextmanager
 def tokenizer_threads():
-    """HF tokenizers' thread pool on while a corpus is tokenized (BPE training and encode_batch: ~2x faster on 2
-    cores, more on a GPU node's, the same tokenizer and ids), unless the user set TOKENIZERS_PARALLELISM. Afterwards
+    """HF tokenizers' thread pool on while a corpus is tokenized (BPE training 0.64x, encode_batch 0.52x the time
+    on 2 cores, the same tokenizer and ids: bench/tokenize.py), unless the user set TOKENIZERS_PARALLELISM. Afterwards
     the variable is set to false: DataLoader workers forked later then neither use a pool inherited across fork nor
     print tokenizers' fork warning (every job of a Hydra sweep in one process tokenizes with threads again)."""
     if _USER_PARALLELISM is not None:

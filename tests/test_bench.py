@@ -48,6 +48,12 @@ def test_model_benchmark_times_each_variant_with_and_without_recompute(tmp_path)
     assert "| sa (recompute) |" in proc.stdout
 
 
+def test_tokenize_benchmark_compares_threads_on_and_off(tmp_path):
+    proc = run_module(["bench.tokenize", "--docs", "30", "--vocab", "300"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| off |" in proc.stdout and "| on |" in proc.stdout and "same result: True" in proc.stdout
+
+
 def test_cpu_peak_memory_is_the_largest_live_total_during_the_call():
     def call():
         a = torch.empty(2**20)  # 4 MiB
