@@ -64,7 +64,8 @@ def check_config(cfg: DictConfig):
         try:
             find_checkpoint(cfg.init_from)
         except FileNotFoundError as err:
-            raise ConfigError("init_from", cfg.init_from, str(err)) from None
+            if cfg.resume != "auto":  # a resume of the run it started needs it no more (train() looks it up then)
+                raise ConfigError("init_from", cfg.init_from, str(err)) from None
     validate_data_config(OmegaConf.to_container(cfg.data, resolve=True))
     return model_cfg, attn_cfg
 
@@ -420,12 +421,17 @@ def _init_weights(module, init: str, tokenizer_json: str, console) -> None:
 
 
 RUN_OVERRIDES = "overrides.yaml"  # the run's own record: Hydra's .hydra/overrides.yaml is rewritten at every start
+# what a resume does not take from the run's record: how this start resumes, and init_from (used at the first start
+# only; the checkpoints record it, and its source may have moved since)
+NOT_CARRIED = ("resume", "ckpt_path", "init_from", "prepare_only")
 
 
-def _override_key(override: str) -> str:
+def _override_key(override: str) -> tuple[str, str]:
+    """(key, prefix): ("trainer.foo", "+") for +trainer.foo=1."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    return OverridesParser.create().parse_override(override).get_key_element().lstrip("+~")
+    key = OverridesParser.create().parse_override(override).get_key_element()
+    return key.lstrip("+~"), key[: len(key) - len(key.lstrip("+~"))]
 
 
 def _with_run_overrides(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
@@ -436,19 +442,36 @@ def _with_run_overrides(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
 
-    today = list(HydraConfig.get().overrides.task)
+    from model.config import ConfigError
+
+    hydra_cfg = HydraConfig.get()
+    today = list(hydra_cfg.overrides.task)
     run_dir = Path(cfg.paths.run_dir)
-    resuming = cfg.resume == "auto" or (cfg.ckpt_path and _own_checkpoint(cfg.ckpt_path, run_dir / "checkpoints"))
-    if not resuming or not (run_dir / RUN_OVERRIDES).is_file():
-        return cfg, today
-    given = {_override_key(o) for o in today}
-    earlier = [o for o in OmegaConf.to_container(OmegaConf.load(run_dir / RUN_OVERRIDES))
-               if _override_key(o) not in given | {"resume", "ckpt_path"}]
+    if not _own_checkpoint(_resume_checkpoint(cfg, run_dir / "checkpoints"), run_dir / "checkpoints") or \
+            not (run_dir / RUN_OVERRIDES).is_file():
+        return cfg, today  # what train() calls a resume: from a checkpoint of this run
+    given = dict(_override_key(o) for o in today)
+    earlier = []
+    for override in OmegaConf.to_container(OmegaConf.load(run_dir / RUN_OVERRIDES)):
+        key, prefix = _override_key(override)
+        # an addition (+key=...) stays when today's sets the key plainly: that needs the key added first
+        if key not in NOT_CARRIED and (key not in given or (prefix == "+" and given[key] == "")):
+            earlier.append(override)
     if not earlier:
         return cfg, today
-    print(f"resume: the run's own overrides ({' '.join(earlier)}), then today's", file=sys.stderr)
     merged = earlier + today
-    return compose(config_name=HydraConfig.get().job.config_name, overrides=merged), merged
+    name = hydra_cfg.job.config_name
+    full = compose(config_name=name, overrides=merged, return_hydra_config=True)
+    if OmegaConf.to_container(full.hydra.callbacks) != OmegaConf.to_container(hydra_cfg.callbacks) or \
+            OmegaConf.to_container(full.hydra.job.env_set) != OmegaConf.to_container(hydra_cfg.job.env_set):
+        # Hydra's own settings (a data=probes callback, an experiment's env_set) apply only from the command line
+        raise ConfigError("resume", cfg.resume or cfg.ckpt_path, "this run's overrides set Hydra options (callbacks "
+                          f"or env_set) that a resume cannot re-apply; give them again: python train.py "
+                          f"{' '.join(merged)} hydra.run.dir={run_dir}")
+    print(f"resume: the run's own overrides ({' '.join(earlier)}), then today's", file=sys.stderr)
+    resumed = compose(config_name=name, overrides=merged)
+    OmegaConf.copy_cache(from_config=cfg, to_config=resumed)  # ${now:...} as this start resolved it (a sweep's group)
+    return resumed, merged
 
 
 def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
@@ -458,7 +481,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
 
     import lightning as L
     import torch
-    from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+    from lightning.pytorch.callbacks import LambdaCallback, ModelCheckpoint, RichProgressBar
     from lightning.pytorch.utilities.exceptions import SIGTERMException
     from rich.console import Console
 
@@ -483,7 +506,10 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     if ckpt is None and cfg.get("init_from"):
         from model.checkpoint import find_checkpoint
 
-        init = str(find_checkpoint(cfg.init_from))
+        try:
+            init = str(find_checkpoint(cfg.init_from))
+        except FileNotFoundError as err:
+            raise ConfigError("init_from", cfg.init_from, str(err)) from None
     if not prepare_only:  # built before the (possibly long) preparation: its size is printed first
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         module = LitDecoder(model=OmegaConf.to_container(cfg.model, resolve=True),
@@ -562,6 +588,17 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
             console.print(f"[yellow]{run_dir}[/] held an earlier run's files: moved to {aside}")
     resume_step = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)["global_step"] \
         if resuming else None
+
+    def record_run():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        if overrides is not None:
+            atomic_write_text(run_dir / RUN_OVERRIDES, OmegaConf.to_yaml(OmegaConf.create(
+                [o for o in overrides if _override_key(o)[0] not in ("resume", "ckpt_path")])))
+        (run_dir / "git_revision.txt").write_text(_git_revision() + "\n")
+
+    if resuming:  # recorded once the checkpoint has taken the config (a refused resume leaves the run's record)
+        callbacks.append(LambdaCallback(on_train_start=lambda trainer, _: trainer.is_global_zero and record_run()))
     loggers = _loggers(cfg, run_dir, resume_step)
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator, devices=devices, num_nodes=int(cfg.trainer.num_nodes), strategy=strategy,
@@ -571,13 +608,8 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
         callbacks=callbacks, enable_progress_bar=bool(cfg.trainer.progress_bar), use_distributed_sampler=False,
         num_sanity_val_steps=0, default_root_dir=str(run_dir), enable_model_summary=False,
     )
-    if trainer.is_global_zero:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-        if overrides is not None:
-            atomic_write_text(run_dir / RUN_OVERRIDES, OmegaConf.to_yaml(OmegaConf.create(
-                [o for o in overrides if _override_key(o) not in ("resume", "ckpt_path")])))
-        (run_dir / "git_revision.txt").write_text(_git_revision() + "\n")
+    if trainer.is_global_zero and not resuming:
+        record_run()
     ok = False
     # Under FSDP a validate() outside fit wraps the blocks in place; fit then finds them wrapped, leaves the root
     # unwrapped and the first step fails on a flat embedding shard (Lightning #19015): validation runs inside fit only

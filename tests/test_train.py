@@ -661,6 +661,22 @@ def test_a_bare_resume_continues_the_run_with_its_own_overrides(tmp_path, corpus
     recorded = (run / "overrides.yaml").read_text()
     assert "attention=sa" in recorded and "trainer.max_steps=4" in recorded and "max_steps=2" not in recorded
     assert "resume" not in recorded
+    # a resume the checkpoint refuses (at load time) leaves the run's record as it was
+    config = (run / "config.yaml").read_text()
+    refused = run_cli([f"hydra.run.dir={run}", "resume=auto", "trainer.max_steps=6", 'data.loss_only_after=" the"'],
+                      cwd=tmp_path)
+    assert refused.returncode == 2 and "data.loss_only_after" in refused.stderr
+    assert (run / "overrides.yaml").read_text() == recorded and (run / "config.yaml").read_text() == config
+    # a run started from another's weights resumes without them: init_from is not carried (its source has moved)
+    second = tmp_path / "second"
+    started = run_cli(cli_tiny(corpus_file, data_cache) + ["attention=gated_sa_swa", "attention.window=8",
+                                                          "trainer.max_steps=2", "logger=csv", "eval.after_train=false",
+                                                          f"init_from={run}", f"hydra.run.dir={second}"], cwd=tmp_path)
+    assert started.returncode == 0, started.stderr[-2000:]
+    run.rename(tmp_path / "moved")
+    resumed = run_cli([f"hydra.run.dir={second}", "resume=auto", "trainer.max_steps=3"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
 
 
 def test_ddp_on_two_cpu_processes(tmp_path, corpus_file, data_cache):
