@@ -469,9 +469,33 @@ def _with_run_overrides(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
                           f"or env_set) that a resume cannot re-apply; give them again: python train.py "
                           f"{' '.join(merged)} hydra.run.dir={run_dir}")
     print(f"resume: the run's own overrides ({' '.join(earlier)}), then today's", file=sys.stderr)
+    log_to_file(f"resume: the run's own overrides ({' '.join(earlier)}), then today's")
     resumed = compose(config_name=name, overrides=merged)
     OmegaConf.copy_cache(from_config=cfg, to_config=resumed)  # ${now:...} as this start resolved it (a sweep's group)
     return resumed, merged
+
+
+def log_to_file(text: str) -> None:
+    """`text` into Hydra's job log (<run dir>/train.log, beside Lightning's lines), if there is one."""
+    import logging
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(logging.LogRecord("train", logging.INFO, __file__, 0, text, None, None))
+
+
+class RunConsole:
+    """Rich on stderr, and the same message as plain text in train.log: the run's record of what it said."""
+
+    def __init__(self, console):
+        self.console = console
+
+    def print(self, message, markup: bool = True, **kwargs):
+        self.console.print(message, markup=markup, **kwargs)
+        if isinstance(message, str):
+            from rich.text import Text
+
+            log_to_file(Text.from_markup(message).plain if markup else message)
 
 
 def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
@@ -491,7 +515,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     from model.config import ConfigError
     from model.lightning_module import CheckpointOnSigterm, LitDecoder, PruneStepCheckpoints, save_step_checkpoint
 
-    console = Console(stderr=True, soft_wrap=True)  # one message, one line (logs are grepped)
+    console = RunConsole(Console(stderr=True, soft_wrap=True))  # one message, one line (logs are grepped)
     run_dir = Path(cfg.paths.run_dir)
     ckpt_dir = run_dir / "checkpoints"
     accelerator = cfg.trainer.accelerator
@@ -715,11 +739,13 @@ def main(cfg: DictConfig):
         metrics = train(cfg, overrides)
     except (ConfigError, DataSourceError) as err:
         print(f"error: {err}", file=sys.stderr)
+        log_to_file(f"error: {err}")
         sys.exit(2)
     except SIGTERMException:
         # Lightning stops on SIGTERM (scancel, preemption) with a SystemExit of code 0: a sweep went on as if the
         # job had finished, and a scheduler read "completed". 128 + 15, as a process killed by the signal.
         print("stopped by SIGTERM; continue with resume=auto in the same run directory", file=sys.stderr)
+        log_to_file("stopped by SIGTERM; continue with resume=auto in the same run directory")
         sys.exit(143)
     return metrics.get("val/loss")
 

@@ -667,6 +667,9 @@ def test_a_bare_resume_continues_the_run_with_its_own_overrides(tmp_path, corpus
                       cwd=tmp_path)
     assert refused.returncode == 2 and "data.loss_only_after" in refused.stderr
     assert (run / "overrides.yaml").read_text() == recorded and (run / "config.yaml").read_text() == config
+    log = (run / "train.log").read_text()  # what the run said, beside Lightning's lines
+    assert "model: " in log and "resume: the run's own overrides" in log and "error: invalid config" in log
+    assert "val loss      :" in log and "[bold]" not in log
     # a run started from another's weights resumes without them: init_from is not carried (its source has moved)
     second = tmp_path / "second"
     started = run_cli(cli_tiny(corpus_file, data_cache) + ["attention=gated_sa_swa", "attention.window=8",
