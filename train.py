@@ -438,41 +438,57 @@ def _with_run_overrides(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     """(config, overrides) of this start. A resume of a run (resume=auto, or a ckpt_path under its checkpoints/)
     continues it as it was started: the overrides it ran with (<run dir>/overrides.yaml) first, then today's, so
     `python train.py hydra.run.dir=<run dir> resume=auto` resumes an SA run on its own corpus, where it had
-    composed the defaults (full attention, the embedded corpus) and trained those on from the SA checkpoint."""
+    composed the defaults (full attention, the embedded corpus) and trained those on from the SA checkpoint. What
+    those overrides set in Hydra's own config is applied too: the environment (env_set) and the job callbacks (the
+    data=probes file), which Hydra ran only for today's command line."""
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
-
-    from model.config import ConfigError
 
     hydra_cfg = HydraConfig.get()
     today = list(hydra_cfg.overrides.task)
     run_dir = Path(cfg.paths.run_dir)
-    if not _own_checkpoint(_resume_checkpoint(cfg, run_dir / "checkpoints"), run_dir / "checkpoints") or \
-            not (run_dir / RUN_OVERRIDES).is_file():
-        return cfg, today  # what train() calls a resume: from a checkpoint of this run
+    own = _own_checkpoint(_resume_checkpoint(cfg, run_dir / "checkpoints"), run_dir / "checkpoints")
+    if not (cfg.resume == "auto" or own) or not (run_dir / RUN_OVERRIDES).is_file():
+        return cfg, today  # resume=auto before the run's first checkpoint continues it as it was started too
     given = dict(_override_key(o) for o in today)
     earlier = []
     for override in OmegaConf.to_container(OmegaConf.load(run_dir / RUN_OVERRIDES)):
         key, prefix = _override_key(override)
-        # an addition (+key=...) stays when today's sets the key plainly: that needs the key added first
-        if key not in NOT_CARRIED and (key not in given or (prefix == "+" and given[key] == "")):
+        # an addition (+key=..., ++key=...) stays when today's sets or deletes the key: that needs it added first
+        if key not in NOT_CARRIED and (key not in given or (prefix in ("+", "++") and given[key] in ("", "~"))):
             earlier.append(override)
     if not earlier:
         return cfg, today
     merged = earlier + today
-    name = hydra_cfg.job.config_name
-    full = compose(config_name=name, overrides=merged, return_hydra_config=True)
-    if OmegaConf.to_container(full.hydra.callbacks) != OmegaConf.to_container(hydra_cfg.callbacks) or \
-            OmegaConf.to_container(full.hydra.job.env_set) != OmegaConf.to_container(hydra_cfg.job.env_set):
-        # Hydra's own settings (a data=probes callback, an experiment's env_set) apply only from the command line
-        raise ConfigError("resume", cfg.resume or cfg.ckpt_path, "this run's overrides set Hydra options (callbacks "
-                          f"or env_set) that a resume cannot re-apply; give them again: python train.py "
-                          f"{' '.join(merged)} hydra.run.dir={run_dir}")
     print(f"resume: the run's own overrides ({' '.join(earlier)}), then today's", file=sys.stderr)
     log_to_file(f"resume: the run's own overrides ({' '.join(earlier)}), then today's")
-    resumed = compose(config_name=name, overrides=merged)
-    OmegaConf.copy_cache(from_config=cfg, to_config=resumed)  # ${now:...} as this start resolved it (a sweep's group)
+    full = compose(config_name=hydra_cfg.job.config_name, overrides=merged, return_hydra_config=True)
+    _apply_hydra_job_settings(full, hydra_cfg)
+    resumed = compose(config_name=hydra_cfg.job.config_name, overrides=merged)
+    OmegaConf.copy_cache(from_config=cfg, to_config=resumed)
+    saved = OmegaConf.load(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else None
+    if saved is not None and OmegaConf.select(saved, "logger.wandb.group") is not None and \
+            OmegaConf.select(resumed, "logger.wandb.group") is not None and "logger.wandb.group" not in given:
+        resumed.logger.wandb.group = saved.logger.wandb.group  # a sweep's group names its first start (${now:})
     return resumed, merged
+
+
+def _apply_hydra_job_settings(full: DictConfig, running) -> None:
+    """The env_set entries and job callbacks of `full` (a config recomposed with the run's own overrides) that
+    today's Hydra config does not have: Hydra applied only today's before the job started."""
+    import hydra.utils
+
+    env = {k: str(v) for k, v in (full.hydra.job.env_set or {}).items() if k not in (running.job.env_set or {})}
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # torch has read it already
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    for name, spec in (full.hydra.callbacks or {}).items():
+        if name not in (running.callbacks or {}):
+            callback = hydra.utils.instantiate(spec)
+            if hasattr(callback, "on_job_start"):
+                callback.on_job_start(config=full)
 
 
 def log_to_file(text: str) -> None:

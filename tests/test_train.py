@@ -680,6 +680,13 @@ def test_a_bare_resume_continues_the_run_with_its_own_overrides(tmp_path, corpus
     resumed = run_cli([f"hydra.run.dir={second}", "resume=auto", "trainer.max_steps=3"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+    # killed before its first checkpoint: resume=auto starts it again as it was started, not as the defaults
+    for path in (second / "checkpoints").iterdir():
+        path.unlink()
+    again = run_cli([f"hydra.run.dir={second}", "resume=auto", "trainer.max_steps=1"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    restarted = torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
+    assert restarted["attention"]["kind"] == "gated_sa_swa" and restarted["model"]["n_layers"] == 2
 
 
 def test_ddp_on_two_cpu_processes(tmp_path, corpus_file, data_cache):
