@@ -353,7 +353,19 @@ def _resume_checkpoint(cfg, ckpt_dir: Path):
     return None
 
 
-def _data_config(cfg: DictConfig, ckpt: str | None, console) -> DictConfig:
+def _checkpoint_meta(path: str | None) -> dict | None:
+    """What train() reads of a checkpoint it resumes or starts from, before the weights load: its hyper-parameters,
+    tokenizer and step (one read; mmap, so the weights stay on disk)."""
+    if path is None:
+        return None
+    import torch
+
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {"path": str(path), "hyper_parameters": ckpt.get("hyper_parameters") or {},
+            "tokenizer": ckpt.get("tokenizer"), "global_step": ckpt.get("global_step")}
+
+
+def _data_config(cfg: DictConfig, source: dict | None, console) -> DictConfig:
     """cfg.data, or, resuming from a checkpoint whose tokenizer this config would not rebuild (the data prepared
     anew: another corpus, other tokenizer settings, a preparation format of another version of this code), cfg.data
     with that tokenizer: the weights belong to its token ids. A cache that already holds it is used as it is."""
@@ -361,11 +373,9 @@ def _data_config(cfg: DictConfig, ckpt: str | None, console) -> DictConfig:
     from data.shards import atomic_write_text
     from model.lightning_module import same_tokenizer
 
-    if ckpt is None or cfg.data.tokenizer.get("path"):
+    if source is None or cfg.data.tokenizer.get("path"):
         return cfg.data
-    import torch
-
-    saved = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True).get("tokenizer")
+    saved = source["tokenizer"]
     if saved is None:
         return cfg.data
     root = prepared_root(cfg.data, cfg.data.cache_dir)
@@ -383,22 +393,20 @@ def _data_config(cfg: DictConfig, ckpt: str | None, console) -> DictConfig:
     return OmegaConf.create(data)
 
 
-def _check_against_checkpoints(module, ckpt: str | None, init: str | None) -> None:
+def _check_against_checkpoints(module, source: dict | None, resuming: bool) -> None:
     """A resume whose config the checkpoint refuses (another shape, a switch to or from gated SA+SWA) and an
     init_from checkpoint of another shape stop here, before the data is prepared. The resume's warnings are given
     here too, once (the module's own check at load time then stays quiet)."""
-    import torch
-
     from model.checkpoint import check_same_shape
     from model.lightning_module import _check_resumed_config
 
-    if ckpt is not None:
-        saved = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters") or {}
-        _check_resumed_config(saved, dict(module.hparams))
+    if source is None:
+        return
+    if resuming:
+        _check_resumed_config(source["hyper_parameters"], dict(module.hparams))
         module.resume_config_checked = True
-    elif init is not None:
-        saved = torch.load(init, map_location="cpu", weights_only=True, mmap=True)["hyper_parameters"]
-        check_same_shape(saved["model"], module.model.cfg, f"init_from={init}")
+    else:
+        check_same_shape(source["hyper_parameters"]["model"], module.model.cfg, f"init_from={source['path']}")
 
 
 def _init_weights(module, init: str, tokenizer_json: str, console) -> None:
@@ -460,8 +468,7 @@ def _with_run_overrides(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     if not earlier:
         return cfg, today
     merged = earlier + today
-    print(f"resume: the run's own overrides ({' '.join(earlier)}), then today's", file=sys.stderr)
-    log_to_file(f"resume: the run's own overrides ({' '.join(earlier)}), then today's")
+    say(f"resume: the run's own overrides ({' '.join(earlier)}), then today's")
     full = compose(config_name=hydra_cfg.job.config_name, overrides=merged, return_hydra_config=True)
     _apply_hydra_job_settings(full, hydra_cfg)
     resumed = compose(config_name=hydra_cfg.job.config_name, overrides=merged)
@@ -498,6 +505,12 @@ def log_to_file(text: str) -> None:
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(logging.LogRecord("train", logging.INFO, __file__, 0, text, None, None))
+
+
+def say(text: str) -> None:
+    """A plain line on stderr and in train.log."""
+    print(text, file=sys.stderr)
+    log_to_file(text)
 
 
 class RunConsole:
@@ -550,6 +563,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
             init = str(find_checkpoint(cfg.init_from))
         except FileNotFoundError as err:
             raise ConfigError("init_from", cfg.init_from, str(err)) from None
+    source = _checkpoint_meta(ckpt or init)
     if not prepare_only:  # built before the (possibly long) preparation: its size is printed first
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         module = LitDecoder(model=OmegaConf.to_container(cfg.model, resolve=True),
@@ -562,9 +576,9 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
         console.print(f"[bold]model[/]: {n_params / 1e6:.2f}M parameters "
                       f"({module.model.num_parameters(non_embedding=True) / 1e6:.2f}M non-embedding), "
                       f"attention={attn_cfg.kind} window={attn_cfg.window} backend={attn_cfg.backend}")
-        _check_against_checkpoints(module, ckpt, init)  # before any data work, and before config.yaml is rewritten
+        _check_against_checkpoints(module, source, ckpt is not None)  # before data work and config.yaml
 
-    data = prepare(_data_config(cfg, ckpt or init, console), cfg.data.cache_dir)
+    data = prepare(_data_config(cfg, source, console), cfg.data.cache_dir)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no tokenizer thread pool in forked DataLoader workers
     if data.vocab_size > model_cfg.vocab_size:
         raise ConfigError("model.vocab_size", model_cfg.vocab_size,
@@ -626,8 +640,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
         aside = _set_aside_earlier_run(run_dir, ckpt_dir)
         if aside is not None:
             console.print(f"[yellow]{run_dir}[/] held an earlier run's files: moved to {aside}")
-    resume_step = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)["global_step"] \
-        if resuming else None
+    resume_step = source["global_step"] if resuming else None
 
     def record_run():
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -754,14 +767,12 @@ def main(cfg: DictConfig):
         cfg, overrides = _with_run_overrides(cfg)
         metrics = train(cfg, overrides)
     except (ConfigError, DataSourceError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        log_to_file(f"error: {err}")
+        say(f"error: {err}")
         sys.exit(2)
     except SIGTERMException:
         # Lightning stops on SIGTERM (scancel, preemption) with a SystemExit of code 0: a sweep went on as if the
         # job had finished, and a scheduler read "completed". 128 + 15, as a process killed by the signal.
-        print("stopped by SIGTERM; continue with resume=auto in the same run directory", file=sys.stderr)
-        log_to_file("stopped by SIGTERM; continue with resume=auto in the same run directory")
+        say("stopped by SIGTERM; continue with resume=auto in the same run directory")
         sys.exit(143)
     return metrics.get("val/loss")
 

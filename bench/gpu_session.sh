@@ -2,7 +2,7 @@
 # Everything GPU-side in one call (a GPU lease is short): kernel tests on the GPU, the attention benchmark (the
 # issue's B=1 H=16 shape, then the paper-like batch of 8), and whole-model training throughput. From the repo root:
 #     OUT=bench/results/gpu_session bash bench/gpu_session.sh
-# With a baseline for the A/B stage (stages 1-6 take at most ~9 min; 7 and 8 use what is left of a 595 s run; on a
+# With a baseline for the A/B stage (stages 1-6 take at most ~9 min; 7 to 9 use what is left of a 595 s run; on a
 # lent machine whose $OUT comes back):
 #     D=$OUT; OUT=/tmp/gs PACK=$D/gpu_session.tgz BASELINE=.baseline bash bench/gpu_session.sh 2>&1 | tee $D/stdout.log
 # Each stage has its own time limit, so a slow stage cannot starve the later ones. Logs and CSVs go to $OUT and,

@@ -36,12 +36,16 @@ def model_config(name: str) -> ModelConfig:
     return ModelConfig(**yaml.safe_load((MODEL_CONFIGS / f"{name}.yaml").read_text()))
 
 
+def loss_of(model, tokens, autocast: bool) -> torch.Tensor:
+    """The training loss of one batch (forward only), as train.py computes it under bf16 autocast on CUDA."""
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
 def step_ms(model, tokens, device, steps: int, autocast: bool) -> float:
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
+        loss_of(model, tokens, autocast).backward()
         model.zero_grad(set_to_none=True)
 
     for _ in range(2):  # warm-up: compilation, autotuning, allocator
@@ -68,9 +72,7 @@ def saved_mb(model, tokens, autocast: bool) -> float:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss = loss_of(model, tokens, autocast)
     loss.backward()
     model.zero_grad(set_to_none=True)
     return total / 2**20
