@@ -123,6 +123,10 @@ def _check_trainer_and_optim(cfg: DictConfig):
     if t.get("compile") and cfg.attention.backend == "flex":
         raise ConfigError("trainer.compile", True, "attention.backend=flex compiles its own kernel; use backend "
                           "auto, torch or triton with a compiled model")
+    chunk = t.get("loss_chunk_tokens", 0)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ConfigError("trainer.loss_chunk_tokens", chunk, "the loss over chunks of this many tokens, an integer "
+                          ">= 0 (0: the whole micro-batch at once); e.g. 8192")
     if int(t.num_nodes) < 1:
         raise ConfigError("trainer.num_nodes", t.num_nodes, "must be a positive integer")
     keep = t.get("keep_checkpoints")
@@ -595,6 +599,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     # under FSDP its own wrapper recomputes the blocks (activation_checkpointing_policy below)
     module.model.checkpoint_activations = bool(cfg.trainer.get("activation_checkpointing")) and \
         cfg.trainer.strategy != "fsdp"
+    module.loss_chunk_tokens = cfg.trainer.get("loss_chunk_tokens", 0)
     if cfg.trainer.get("compile"):
         module.model.compile_blocks()
 

@@ -5,6 +5,8 @@
     python -m bench.model --compile                     # also each variant with compiled blocks (trainer.compile)
     python -m bench.model --compiled-only               # compiled blocks only
     python -m bench.model --recompute                   # also each variant with trainer.activation_checkpointing
+    python -m bench.model --loss-chunk 2048             # also each variant with trainer.loss_chunk_tokens=2048
+                                                        # (with --recompute: also both at once)
 
 Times one training step without the optimizer (the part attention changes), median over steps after warm-up, and
 prints tokens/s, the step time relative to full attention, and the activation memory a step keeps for its backward
@@ -20,12 +22,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import yaml
 
 from kernels.cpu_malloc import keep_freed_memory
 from model.config import AttentionConfig, ModelConfig
 from model.decoder import Decoder
+from model.loss import head_cross_entropy
 
 MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "model"
 SHAPES = ("small", "360m")  # conf/model/<name>.yaml without a Hydra defaults list, so plain YAML reads them
@@ -36,16 +38,16 @@ def model_config(name: str) -> ModelConfig:
     return ModelConfig(**yaml.safe_load((MODEL_CONFIGS / f"{name}.yaml").read_text()))
 
 
-def loss_of(model, tokens, autocast: bool) -> torch.Tensor:
+def loss_of(model, tokens, autocast: bool, chunk: int = 0) -> torch.Tensor:
     """The training loss of one batch (forward only), as train.py computes it under bf16 autocast on CUDA."""
     with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast):
-        logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        hidden = model.hidden_states(tokens[:, :-1])
+        return head_cross_entropy(hidden, model.lm_head.weight, tokens[:, 1:], chunk) / tokens[:, 1:].numel()
 
 
-def step_ms(model, tokens, device, steps: int, autocast: bool) -> float:
+def step_ms(model, tokens, device, steps: int, autocast: bool, chunk: int) -> float:
     def step():
-        loss_of(model, tokens, autocast).backward()
+        loss_of(model, tokens, autocast, chunk).backward()
         model.zero_grad(set_to_none=True)
 
     for _ in range(2):  # warm-up: compilation, autotuning, allocator
@@ -62,7 +64,7 @@ def step_ms(model, tokens, device, steps: int, autocast: bool) -> float:
     return statistics.median(times) * 1e3
 
 
-def saved_mb(model, tokens, autocast: bool) -> float:
+def saved_mb(model, tokens, autocast: bool, chunk: int) -> float:
     """MB that autograd keeps for the backward in one training step (what activation checkpointing cuts)."""
     total = 0
 
@@ -72,7 +74,7 @@ def saved_mb(model, tokens, autocast: bool) -> float:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_of(model, tokens, autocast)
+        loss = loss_of(model, tokens, autocast, chunk)
     loss.backward()
     model.zero_grad(set_to_none=True)
     return total / 2**20
@@ -90,6 +92,8 @@ def main():
     p.add_argument("--compile", action="store_true", help="time every variant eager and with compiled blocks")
     p.add_argument("--compiled-only", action="store_true", help="time every variant with compiled blocks only")
     p.add_argument("--recompute", action="store_true", help="also every variant with activation checkpointing")
+    p.add_argument("--loss-chunk", type=int, default=0, metavar="TOKENS",
+                   help="also every variant with the loss over chunks of this many tokens (trainer.loss_chunk_tokens)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
     keep_freed_memory()  # as train.py does
@@ -103,7 +107,10 @@ def main():
     rows = []
     compiled_options = (True,) if args.compiled_only else (False, True) if args.compile else (False,)
     for kind in args.variants:
-        for compiled, recompute in [(c, False) for c in compiled_options] + ([(False, True)] if args.recompute else []):
+        settings = [(c, False, 0) for c in compiled_options] + ([(False, True, 0)] if args.recompute else []) \
+            + ([(False, False, args.loss_chunk)] if args.loss_chunk else []) \
+            + ([(False, True, args.loss_chunk)] if args.loss_chunk and args.recompute else [])
+        for compiled, recompute, chunk in settings:
             torch.manual_seed(0)
             model = Decoder(cfg, AttentionConfig(kind=kind, window=args.window, backend=args.backend))
             model = model.to(device).train()
@@ -112,25 +119,26 @@ def main():
                 model.compile_blocks()  # as trainer.compile=true; the warm-up steps compile
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            ms = step_ms(model, tokens, device, args.steps, autocast)
+            ms = step_ms(model, tokens, device, args.steps, autocast, chunk)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
             rows.append({"device": torch.cuda.get_device_name() if autocast else "cpu", "model": args.model,
                          "params_m": round(model.num_parameters() / 1e6, 1), "batch": args.batch, "n": n,
                          "w": args.window, "variant": kind, "backend": args.backend, "compiled": compiled,
-                         "recompute": recompute, "step_ms": round(ms, 2),
+                         "recompute": recompute, "loss_chunk": chunk, "step_ms": round(ms, 2),
                          "tokens_per_s": round(args.batch * n / ms * 1e3),
-                         "saved_mb": round(saved_mb(model, tokens, autocast), 1),
+                         "saved_mb": round(saved_mb(model, tokens, autocast, chunk), 1),
                          "peak_gib": None if peak is None else round(peak, 2)})
             print(rows[-1], flush=True)
             del model
-    base = next((r["step_ms"] for r in rows if r["variant"] == "full" and not r["compiled"] and not r["recompute"]),
-                None)
+    base = next((r["step_ms"] for r in rows if r["variant"] == "full" and not r["compiled"] and not r["recompute"]
+                 and not r["loss_chunk"]), None)
     peak = rows[0]["peak_gib"] is not None
     print("\n| variant | step ms (fwd+bwd) | tokens/s | vs full (eager) | saved for backward (MB) |"
           + (" peak GiB |" if peak else "") + "\n|---|---|---|---|---|" + ("---|" if peak else ""))
     for r in rows:
         rel = f"{r['step_ms'] / base:.3f}" if base else "-"
-        name = r["variant"] + (" (compiled)" if r["compiled"] else "") + (" (recompute)" if r["recompute"] else "")
+        name = r["variant"] + (" (compiled)" if r["compiled"] else "") + (" (recompute)" if r["recompute"] else "") \
+            + (f" (loss chunks of {r['loss_chunk']})" if r["loss_chunk"] else "")
         print(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,} | {rel} | {r['saved_mb']:,.0f} |"
               + (f" {r['peak_gib']:.2f} |" if peak else ""))
     args.out.mkdir(parents=True, exist_ok=True)

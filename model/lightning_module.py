@@ -7,11 +7,11 @@ import time
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 
 from model.config import AttentionConfig, ConfigError, ModelConfig
 from model.decoder import Decoder
+from model.loss import head_cross_entropy
 
 # Dense bf16 peak FLOP/s per device (the SXM / flagship parts), for model FLOPs utilisation, matched on the whole
 # model name in torch.cuda.get_device_name: "L4" must not take "L40S", nor "H100" the PCIe card (756e12). Devices
@@ -151,6 +151,7 @@ class LitDecoder(L.LightningModule):
         self.loss_after_id: int | None = None
         self._val_totals = None
         self.resume_config_checked = False  # train.py compared the config with the checkpoint's already
+        self.loss_chunk_tokens = 0  # trainer.loss_chunk_tokens: the loss over chunks of this many tokens (0: whole)
 
     def on_save_checkpoint(self, checkpoint):
         # the first save after the step (ModelCheckpoint writes step<N>.ckpt, then last.ckpt) is where the step ended
@@ -249,15 +250,16 @@ class LitDecoder(L.LightningModule):
         any contributes a zero loss and no gradient.
         """
         tokens, targets = batch[:, :-1], batch[:, 1:]
-        logits = self.model(tokens).float()
+        hidden, head = self.model.hidden_states(tokens), self.model.lm_head.weight
         if self.loss_after_id is None:
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)), targets.numel(), None
+            return head_cross_entropy(hidden, head, targets, self.loss_chunk_tokens) / targets.numel(), \
+                targets.numel(), None
         counted = tokens == self.loss_after_id
-        answers = targets.masked_fill(~counted, -100)
-        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), answers.reshape(-1), ignore_index=-100,
-                                reduction="sum")
+        total = head_cross_entropy(hidden, head, targets.masked_fill(~counted, -100), self.loss_chunk_tokens)
         count = counted.sum()
-        right = ((logits.argmax(-1) == targets) & counted).sum() if not self.training else None
+        right = None
+        if not self.training:  # the head on the answer positions only
+            right = (self.model.lm_head(hidden[counted]).argmax(-1) == targets[counted]).sum()
         return total / count.clamp_min(1), count, right
 
     def training_step(self, batch, batch_idx):

@@ -79,6 +79,8 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("data.max_tokens=-5", "data.max_tokens"),
         ("data.tokenizer.vocab_size=100", "data.tokenizer.vocab_size"),
         ("trainer.activation_checkpointing=1", "trainer.activation_checkpointing"),
+        ("trainer.loss_chunk_tokens=-1", "trainer.loss_chunk_tokens"),
+        ("trainer.loss_chunk_tokens=true", "trainer.loss_chunk_tokens"),
         ("trainer.keep_weights=maybe", "trainer.keep_weights"),
         ("optim.decay_fraction=0", "optim.decay_fraction"),
         ("optim.decay_fraction=1.5", "optim.decay_fraction"),

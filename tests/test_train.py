@@ -605,10 +605,12 @@ def test_peak_flops_of_device_names():
     assert peak_flops("Tesla T4") is None
 
 
-def test_loss_only_after_counts_just_the_following_tokens():
+@pytest.mark.parametrize("chunk", [0, 5])  # trainer.loss_chunk_tokens: 36 targets in chunks of 5
+def test_loss_only_after_counts_just_the_following_tokens(chunk):
     torch.manual_seed(0)
     module = LitDecoder(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
                         attention=dict(kind="sa", window=4), optim={}, max_steps=10)
+    module.loss_chunk_tokens = chunk
     module.eval()  # the same permutations in every forward below
     batch = torch.randint(1, 32, (3, 13))
     batch[0, 2], batch[1, 5], batch[1, 11], batch[2, 12] = 0, 0, 0, 0  # token 0 asks; a last-slot ask has no answer
@@ -736,6 +738,27 @@ def test_triton_backend_trains_like_torch_backend(attention, tmp_path, corpus_fi
     assert sorted(losses["triton"]) == [0, 1, 2]
     for step, value in losses["torch"].items():
         assert abs(losses["triton"][step] - value) <= 1e-4, step
+
+
+def test_chunked_loss_trains_like_the_whole_batch_loss(tmp_path, corpus_file, data_cache, monkeypatch):
+    """trainer.loss_chunk_tokens=100 (a micro-batch of 4 x 64 targets in three chunks): the same training curve."""
+    import model.loss
+
+    chunked_calls = []
+    real = model.loss._chunked
+    monkeypatch.setattr(model.loss, "_chunked", lambda *args: chunked_calls.append(args[3]) or real(*args))
+    losses = {}
+    for chunk in (0, 100):
+        cfg = compose_train(TINY + ["attention=sa", "attention.window=8", f"trainer.loss_chunk_tokens={chunk}",
+                                    "trainer.max_steps=4", "trainer.val_every_n_steps=4"],
+                            tmp_path / str(chunk), corpus_file, data_cache)
+        train(cfg)
+        losses[chunk] = read_metrics(tmp_path / str(chunk))
+    assert sorted(losses[100]["train/loss"]) == [0, 1, 2, 3]
+    assert chunked_calls and set(chunked_calls) == {100}  # the second run's steps and validations went through it
+    for key in ("train/loss", "val/loss"):
+        for step, value in losses[0][key].items():
+            assert abs(losses[100][key][step] - value) <= 1e-4, (key, step)
 
 
 def test_last_checkpoint_holds_the_final_step_between_checkpoint_intervals(tmp_path, corpus_file, data_cache):
