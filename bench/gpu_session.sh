@@ -96,3 +96,7 @@ timeout "$(lim "${RECOMPUTE_TIMEOUT:-50}")" $PY -m bench.model --model 360m --ba
     --loss-chunk 8192 --out "$OUT/recompute" 2>&1 | tee "$OUT/model_recompute.log" | grep -v "^{"
 status 9 "${PIPESTATUS[0]}"
 pack
+echo "== 10. the optimizer step of the 360M model: torch's default AdamW (foreach) against the fused one training uses"
+timeout "$(lim "${OPTIMIZER_TIMEOUT:-20}")" $PY -m bench.optimizer --model 360m 2>&1 | tee "$OUT/optimizer.log"
+status 10 "${PIPESTATUS[0]}"
+pack

@@ -36,16 +36,27 @@ def test_attention_benchmark_writes_table_csv_and_plot(tmp_path):
     assert table.count("| 64 | torch |") == 3 and table.count("| 96 | torch |") == 3  # fwd, fwd+bwd, memory
 
 
-def test_model_benchmark_times_each_variant_with_and_without_recompute(tmp_path):
-    proc = run_module(["bench.model", "--variants", "sa", "gated_sa_swa", "--seq-len", "32", "--batch", "1",
-                       "--steps", "1", "--window", "8", "--recompute", "--out", str(tmp_path)], tmp_path)
+def test_model_benchmark_times_each_variant_with_and_without_recompute_and_loss_chunks(tmp_path):
+    proc = run_module(["bench.model", "--variants", "sa", "gated_sa_swa", "--seq-len", "32", "--batch", "2",
+                       "--steps", "1", "--window", "8", "--recompute", "--loss-chunk", "16", "--out", str(tmp_path)],
+                      tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = list(csv.DictReader(open(tmp_path / "model_cpu_small_n32.csv")))
-    assert [(r["variant"], r["recompute"]) for r in rows] == [("sa", "False"), ("sa", "True"),
-                                                             ("gated_sa_swa", "False"), ("gated_sa_swa", "True")]
-    saved = {(r["variant"], r["recompute"]): float(r["saved_mb"]) for r in rows}
-    assert all(saved[(v, "True")] < saved[(v, "False")] for v in ("sa", "gated_sa_swa"))
-    assert "| sa (recompute) |" in proc.stdout
+    settings = [("False", "0"), ("True", "0"), ("False", "16"), ("True", "16")]
+    assert [(r["variant"], r["recompute"], r["loss_chunk"]) for r in rows] == [
+        (v, *s) for v in ("sa", "gated_sa_swa") for s in settings]
+    saved = {(r["variant"], r["recompute"], r["loss_chunk"]): float(r["saved_mb"]) for r in rows}
+    for v in ("sa", "gated_sa_swa"):  # each one keeps less; both together the least
+        assert max(saved[(v, "True", "0")], saved[(v, "False", "16")]) < saved[(v, "False", "0")]
+        assert saved[(v, "True", "16")] < min(saved[(v, "True", "0")], saved[(v, "False", "16")])
+    assert "| sa (recompute) |" in proc.stdout and "| sa (recompute) (loss chunks of 16) |" in proc.stdout
+
+
+def test_optimizer_benchmark_compares_default_and_fused_adamw(tmp_path):
+    proc = run_module(["bench.optimizer", "--steps", "2", "--rounds", "1"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| torch default |" in proc.stdout and "| fused (training) |" in proc.stdout
+    assert "largest weight difference after 3 steps" in proc.stdout
 
 
 def test_tokenize_benchmark_compares_threads_on_and_off(tmp_path):

@@ -459,6 +459,36 @@ def test_a_non_finite_loss_on_another_rank_stops_this_one_too(monkeypatch):
     assert votes == [True]  # this rank's loss was finite; the collective decision stopped it
 
 
+def test_training_uses_the_fused_adamw_and_resumes_an_unfused_ones_state():
+    """configure_optimizers makes torch's fused AdamW on the CPU; the state of the unfused AdamW that checkpoints
+    before 2026-12-02 hold loads into it and keeps stepping (with the setting it was saved with)."""
+    def module():
+        torch.manual_seed(0)
+        return LitDecoder(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
+                          attention=dict(kind="sa", window=4),
+                          optim=dict(lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, warmup_steps=1,
+                                     min_lr_ratio=0.1), max_steps=10)
+
+    fused_module, old_module = module(), module()
+    fused = fused_module.configure_optimizers()["optimizer"]
+    assert all(group["fused"] for group in fused.param_groups)
+    old = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]}
+                             for g in old_module.configure_optimizers()["optimizer"].param_groups], lr=1e-3)
+    batch = torch.randint(0, 32, (2, 9))
+    for opt, mod in ((fused, fused_module), (old, old_module)):
+        mod._loss(batch)[0].backward()
+        opt.step()
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(fused_module.parameters(), old_module.parameters()))
+    resumed_module = module()
+    resumed = resumed_module.configure_optimizers()["optimizer"]
+    resumed.load_state_dict(old.state_dict())
+    resumed_module.load_state_dict(old_module.state_dict())
+    resumed_module._loss(batch)[0].backward()
+    resumed.step()
+    assert all(torch.isfinite(p).all() for p in resumed_module.parameters())
+    assert not any(group["fused"] for group in resumed.param_groups)
+
+
 def test_weight_decay_groups_survive_fsdp_flattening():
     """FSDP hands configure_optimizers flat 1-D shards under wrapped names: the groups must not depend on shapes."""
     module = LitDecoder(model=dict(vocab_size=32, n_layers=2, d_model=16, n_heads=2, max_seq_len=16),
