@@ -1,8 +1,10 @@
 """source -> tokenizer -> token shards, cached by the hash of every input that shapes the result.
 
 The result lives in `<cache_dir>/<kind>-<hash>/`: train_000.bin ..., val.bin, tokenizer.json, meta.json. meta.json is
-written last, so a folder without it is an interrupted preparation and is redone; a second run with the same inputs
-reuses the folder.
+written last, so a folder without it is an interrupted preparation; a second run with the same inputs reuses the
+folder. An interrupted one resumes after the last train shard it wrote (progress.json records the documents that
+shard and the validation parts so far hold), so a preparation of billions of tokens stopped after hours loses
+minutes, and the result is the same bytes as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -183,14 +185,38 @@ def exclusive_lock(path: Path, waiting_message: str):
         os.close(fd)  # closing the descriptor releases the lock
 
 
+PROGRESS = "progress.json"
+
+
+def _resumable(root: Path) -> dict | None:
+    """The progress of an interrupted preparation in `root` whose files are all there, else None."""
+    try:
+        saved = json.loads((root / PROGRESS).read_text())
+        if saved.get("format_version") != FORMAT_VERSION:
+            return None
+        if tokenizer_hash(load_tokenizer(root / "tokenizer.json")) != saved["tokenizer_hash"]:
+            return None
+        for name in saved["train_shards"] + saved["val_parts"]:
+            shards.read_shard(root / name)  # each one whole
+        return saved
+    except Exception:  # none, or a file missing or unreadable: start again
+        return None
+
+
 def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     root.mkdir(parents=True, exist_ok=True)
     start = time.time()
     docs = sources.documents(cfg["source"])
     max_tokens = cfg.get("max_tokens")
+    saved = _resumable(root)
 
     tok_cfg = cfg["tokenizer"]
-    if tok_cfg.get("path"):
+    if saved:
+        tok, head = load_tokenizer(root / "tokenizer.json"), []
+        docs = itertools.islice(docs, saved["counts"]["documents"], None)  # the ones the saved shards hold
+        print(f"resuming the data preparation in {root} after {saved['counts']['documents']:,} documents "
+              f"({saved['counts']['train'] + saved['counts']['val']:,} tokens)", file=sys.stderr)
+    elif tok_cfg.get("path"):
         tok = load_tokenizer(tok_cfg["path"])
         head: list[str] = []
     else:  # train on the first `train_chars` characters, then keep streaming the rest of the same iterator
@@ -206,7 +232,8 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
         if not head:
             raise ConfigError("data.source", cfg["source"], "the source yielded no text")
         tok = train_bpe(train_texts, tok_cfg["vocab_size"])
-    shards.atomic_write_bytes(root / "tokenizer.json", [tok.to_str().encode()])
+    if not saved:
+        shards.atomic_write_bytes(root / "tokenizer.json", [tok.to_str().encode()])
     eos = eos_id(tok)
     tok.encode_special_tokens = True  # documents are text: EOS only where a document ends, appended below
     dtype = shards.dtype_for_vocab(tok.get_vocab_size())
@@ -214,19 +241,30 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     shard_tokens = int(cfg.get("shard_tokens", 100_000_000))
     train_buf: list[np.ndarray] = []
     val_buf: list[np.ndarray] = []
-    train_names: list[str] = []
-    counts = {"train": 0, "val": 0, "documents": 0, "val_documents": 0}
+    train_names: list[str] = list(saved["train_shards"]) if saved else []
+    val_parts: list[str] = list(saved["val_parts"]) if saved else []  # validation documents up to the last shard
+    counts = dict(saved["counts"]) if saved else {"train": 0, "val": 0, "documents": 0, "val_documents": 0}
 
-    def flush_train():
+    def flush_train(resumable: bool = True):
         if train_buf:
             name = f"train_{len(train_names):03d}.bin"
             shards.write_shard(root / name, np.concatenate(train_buf))
             train_names.append(name)
             train_buf.clear()
+            if not resumable:  # the last shard: val.bin and meta.json come next
+                return
+            if val_buf:
+                val_parts.append(f"val_part_{len(val_parts):03d}.bin")
+                shards.write_shard(root / val_parts[-1], np.concatenate(val_buf))
+                val_buf.clear()
+            # every document counted so far is in a written file: a preparation stopped from here resumes here
+            shards.atomic_write_text(root / PROGRESS, json.dumps(
+                {"format_version": FORMAT_VERSION, "tokenizer_hash": tokenizer_hash(tok), "counts": counts,
+                 "train_shards": train_names, "val_parts": val_parts}))
 
     all_docs = itertools.chain(head, docs)
     bar = _progress_bar(progress)
-    task = bar.add_task("tokenizing", total=max_tokens) if bar else None
+    task = bar.add_task("tokenizing", total=max_tokens, completed=counts["train"] + counts["val"]) if bar else None
     pending = 0
     with bar or nullcontext():
         while True:
@@ -250,13 +288,14 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
                 flush_train()
             if max_tokens and counts["train"] + counts["val"] >= max_tokens:
                 break
-    if not val_buf and len(train_buf) > 1:  # a tiny corpus whose hash split held out nothing: hold out one doc
+    if not val_parts and not val_buf and len(train_buf) > 1:  # a tiny corpus that held out nothing: hold out one
         val_buf.append(train_buf.pop())
         counts["train"] -= val_buf[0].size
         counts["val"] += val_buf[0].size
         counts["val_documents"] += 1
-    flush_train()
-    if not train_names or not val_buf:
+    flush_train(resumable=False)
+    val = [np.asarray(shards.read_shard(root / name)) for name in val_parts] + val_buf
+    if not train_names or not val:
         raise ConfigError("data.source", cfg["source"].get("paths", cfg["source"]["kind"]),
                           f"too little text to split into train and validation ({counts['documents']} documents)")
     share = counts["val"] / max(1, counts["train"] + counts["val"])
@@ -265,7 +304,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
               f"{share:.1%} of the tokens (data.val_fraction={cfg['val_fraction']}); with few long documents "
               "every val loss comes from these, so raise data.val_fraction for a broader validation set",
               file=sys.stderr)
-    shards.write_shard(root / "val.bin", np.concatenate(val_buf))
+    shards.write_shard(root / "val.bin", np.concatenate(val))
     meta = {
         "format_version": FORMAT_VERSION,
         "source": cfg["source"],
@@ -279,6 +318,8 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
         "seconds": round(time.time() - start, 1),
     }
     shards.atomic_write_bytes(root / "meta.json", [json.dumps(meta, indent=2).encode()])
+    for name in [PROGRESS] + val_parts:  # what a resume needed; val.bin holds the parts
+        (root / name).unlink(missing_ok=True)
     return _load_prepared(root)
 
 

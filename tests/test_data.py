@@ -56,6 +56,51 @@ def test_truncated_or_foreign_shard_is_refused(tmp_path):
         shards.read_shard(tmp_path / "foreign.bin")
 
 
+def test_an_interrupted_preparation_resumes_after_its_last_shard(tmp_path, monkeypatch, capsys):
+    """The source fails at document 600 of 700: the next prepare() resumes after the last train shard (documents
+    0-511, tokenized in batches of 256) with the saved tokenizer, and ends with the same bytes as an uninterrupted
+    preparation."""
+    from pydoc_data.topics import topics
+
+    from data import sources
+    from data.prepare import prepared_root
+
+    paragraphs = [p for _, page in sorted(topics.items()) for p in page.split("\n\n") if len(p) > 80][:700]
+    assert len(paragraphs) == 700
+    corpus = tmp_path / "paragraphs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    cfg = data_cfg([corpus], shard_tokens=2000)
+    cfg["tokenizer"]["train_chars"] = 20_000  # trained on the first documents; the rest stream after it
+    whole = prepare(cfg, tmp_path / "whole", progress=False)
+    real = sources.documents
+
+    def failing(source):
+        for i, doc in enumerate(real(source)):
+            if i == 600:
+                raise ConnectionError("the stream dropped")
+            yield doc
+
+    monkeypatch.setattr(sources, "documents", failing)
+    with pytest.raises(ConnectionError):
+        prepare(cfg, tmp_path / "cut", progress=False)
+    root = prepared_root(cfg, tmp_path / "cut")
+    saved = json.loads((root / "progress.json").read_text())
+    assert saved["counts"]["documents"] == 512 and saved["train_shards"] == ["train_000.bin", "train_001.bin"]
+    assert saved["val_parts"] == ["val_part_000.bin", "val_part_001.bin"]  # the held-out documents so far
+    assert not (root / "meta.json").exists()
+    monkeypatch.setattr(sources, "documents", real)
+    capsys.readouterr()
+    resumed = prepare(cfg, tmp_path / "cut", progress=False)
+    err = capsys.readouterr().err
+    assert "resuming the data preparation" in err and "after 512 documents" in err
+    assert [p.name for p in resumed.train_shards] == [p.name for p in whole.train_shards]
+    for ours, theirs in zip(resumed.train_shards + [resumed.val_shard, resumed.tokenizer_path],
+                            whole.train_shards + [whole.val_shard, whole.tokenizer_path]):
+        assert ours.read_bytes() == theirs.read_bytes(), ours.name
+    assert resumed.meta["tokens"] == whole.meta["tokens"]
+    assert sorted(p.name for p in root.iterdir()) == sorted(p.name for p in whole.root.iterdir())  # nothing left
+
+
 def test_max_tokens_stops_within_one_document_of_the_limit(tmp_path, corpus_file):
     """max_tokens holds to a document: the corpus (400 documents) is cut after the document that reaches it."""
     prepared = prepare(data_cfg([corpus_file], max_tokens=3000), tmp_path, progress=False)
