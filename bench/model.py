@@ -65,19 +65,22 @@ def step_ms(model, tokens, device, steps: int, autocast: bool, chunk: int) -> fl
 
 
 def saved_mb(model, tokens, autocast: bool, chunk: int) -> float:
-    """MB that autograd keeps for the backward in one training step (what activation checkpointing cuts)."""
-    total = 0
+    """MB that autograd keeps for the backward in one training step (what activation checkpointing cuts): each
+    storage once (log_softmax and nll_loss save the same log-probabilities), the model's parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
 
     def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = loss_of(model, tokens, autocast, chunk)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return total / 2**20
+    return sum(storages.values()) / 2**20
 
 
 def main():

@@ -33,12 +33,15 @@ def peak_flops(device_name: str) -> float | None:
     return PEAK_FLOPS.get(model)
 
 
-def adamw(groups: list[dict], **options) -> torch.optim.AdamW:
+def adamw(groups: list[dict], grad_scaler: bool = False, **options) -> torch.optim.AdamW:
     """AdamW, fused (one kernel over every parameter of a group instead of a loop of per-tensor ops) where torch has
     it: parameters on CUDA or the CPU (`python -m bench.optimizer`: 2.6-3.2x faster steps on the CPU). A resumed run
-    keeps the setting its checkpoint's optimizer was made with."""
+    keeps the setting its checkpoint's optimizer was made with.
+
+    Not fused under a GradScaler (precision=16-mixed): a fused AdamW unscales the gradients inside its own step, so
+    Lightning leaves them scaled, and configure_gradient_clipping would clip (and log) the scaled norm."""
     params = [p for group in groups for p in group["params"]]
-    fused = all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params)
+    fused = not grad_scaler and all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(groups, fused=fused or None, **options)
 
 
@@ -356,8 +359,9 @@ class LitDecoder(L.LightningModule):
             if p.requires_grad:
                 (decay if _unwrapped_name(name) in self._decay_names else no_decay).append(p)
         cfg = self.optim_cfg
+        scaler = self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
         opt = adamw([{"params": decay, "weight_decay": cfg["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-                    lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"])
+                    grad_scaler=scaler, lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"])
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lr_lambda(cfg["warmup_steps"], self.max_steps, cfg["min_lr_ratio"],
                            cfg.get("schedule", OPTIM_DEFAULTS["schedule"]),

@@ -26,7 +26,7 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("n,chunk", [(1, 1), (17, 1), (17, 5), (128, 32), (257, 64), (100, 99)])
+@pytest.mark.parametrize("n,chunk", [(2, 1), (17, 1), (17, 5), (128, 32), (257, 64), (100, 99)])
 @pytest.mark.parametrize("ignored_every", [0, 3])
 def test_chunked_loss_and_gradients_equal_the_plain_ones(n, chunk, ignored_every):
     hidden, weight, targets = _inputs(n, 24, 37, seed=n * 31 + chunk, ignored_every=ignored_every)
@@ -35,7 +35,7 @@ def test_chunked_loss_and_gradients_equal_the_plain_ones(n, chunk, ignored_every
     got_h, got_w = torch.autograd.grad(got * 2.5, (hidden, weight))  # the backward scales by the incoming gradient
     assert abs(got.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
     assert got.dtype == torch.float32
-    if not want_h.any():  # n=1 with its one target ignored: no gradient at all
+    if not want_h.any():  # every target ignored: no gradient at all
         assert not got_h.any() and not got_w.any()
         return
     assert _rel(got_h / 2.5, want_h) <= 1e-5 and _rel(got_w / 2.5, want_w) <= 1e-5
@@ -74,3 +74,22 @@ def test_chunked_loss_under_bf16_autocast_follows_the_plain_path():
     assert got_h.dtype == got_w.dtype == torch.float32
     assert abs(got.item() - want.item()) <= 1e-4 * abs(want.item())
     assert _rel(got_h, want_h) <= 2e-2 and _rel(got_w, want_w) <= 2e-2  # bf16 products, rounded in another order
+
+
+def test_bf16_inputs_get_unbiased_gradients():
+    """bf16 hidden states and head (FSDP's param_dtype, bf16-true): the loss of a micro-batch is scaled by 1/count
+    (here 1/3000) before the backward; rounding that factor to bf16 first scaled every block's gradient by 1.0014."""
+    hidden, weight, targets = _inputs(3000, 32, 64, seed=5)
+    hidden = hidden.detach().bfloat16().requires_grad_()
+    weight = weight.detach().bfloat16().requires_grad_()
+    unit_h, unit_w = torch.autograd.grad(head_cross_entropy(hidden, weight, targets, 512), (hidden, weight))
+    got_h, got_w = torch.autograd.grad(head_cross_entropy(hidden, weight, targets, 512) / 3000, (hidden, weight))
+    assert got_h.dtype == got_w.dtype == torch.bfloat16
+    for got, unit in ((got_h, unit_h), (got_w, unit_w)):
+        want = unit.double() / 3000
+        ratio = (got.double() * want).sum() / (want * want).sum()  # the mean scale of the gradient
+        assert abs(ratio.item() - 1) < 3e-4, ratio.item()
+    plain = F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
+    plain_h, plain_w = torch.autograd.grad(plain, (hidden, weight))
+    assert _rel(unit_h.float(), plain_h.float()) <= 1e-2 and _rel(unit_w.float(), plain_w.float()) <= 1e-2
+

@@ -460,33 +460,62 @@ def test_a_non_finite_loss_on_another_rank_stops_this_one_too(monkeypatch):
 
 
 def test_training_uses_the_fused_adamw_and_resumes_an_unfused_ones_state():
-    """configure_optimizers makes torch's fused AdamW on the CPU; the state of the unfused AdamW that checkpoints
-    before 2026-12-02 hold loads into it and keeps stepping (with the setting it was saved with)."""
+    """configure_optimizers makes torch's fused AdamW on the CPU, which steps like the unfused one; the state of the
+    unfused AdamW that checkpoints before 2026-12-02 hold loads into it and steps on as the unfused one would."""
+    import copy
+
+    optim = dict(lr=1e-2, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, warmup_steps=1, min_lr_ratio=0.1)
+
     def module():
         torch.manual_seed(0)
         return LitDecoder(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
-                          attention=dict(kind="sa", window=4),
-                          optim=dict(lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, warmup_steps=1,
-                                     min_lr_ratio=0.1), max_steps=10)
+                          attention=dict(kind="sa", window=4), optim=optim, max_steps=10)
+
+    def unfused(mod):
+        return torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]}
+                                  for g in mod.configure_optimizers()["optimizer"].param_groups],
+                                 lr=optim["lr"], betas=tuple(optim["betas"]), eps=optim["eps"])
+
+    def steps(mod, opt, count):
+        for i in range(count):
+            mod._loss(torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(i)))[0].backward()
+            opt.step()
+            opt.zero_grad()
 
     fused_module, old_module = module(), module()
     fused = fused_module.configure_optimizers()["optimizer"]
     assert all(group["fused"] for group in fused.param_groups)
-    old = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]}
-                             for g in old_module.configure_optimizers()["optimizer"].param_groups], lr=1e-3)
-    batch = torch.randint(0, 32, (2, 9))
-    for opt, mod in ((fused, fused_module), (old, old_module)):
-        mod._loss(batch)[0].backward()
-        opt.step()
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(fused_module.parameters(), old_module.parameters()))
-    resumed_module = module()
-    resumed = resumed_module.configure_optimizers()["optimizer"]
-    resumed.load_state_dict(old.state_dict())
-    resumed_module.load_state_dict(old_module.state_dict())
-    resumed_module._loss(batch)[0].backward()
-    resumed.step()
-    assert all(torch.isfinite(p).all() for p in resumed_module.parameters())
+    old = unfused(old_module)
+    steps(fused_module, fused, 4)
+    steps(old_module, old, 4)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fused_module.parameters(), old_module.parameters()))
+    resumed_module, reference_module = module(), module()
+    resumed, reference = resumed_module.configure_optimizers()["optimizer"], unfused(reference_module)
+    for mod, opt in ((resumed_module, resumed), (reference_module, reference)):
+        mod.load_state_dict(old_module.state_dict())
+        opt.load_state_dict(copy.deepcopy(old.state_dict()))  # as from a checkpoint: no moments shared
+        steps(mod, opt, 2)
     assert not any(group["fused"] for group in resumed.param_groups)
+    assert all(torch.equal(a, b) for a, b in zip(resumed_module.parameters(), reference_module.parameters()))
+
+
+def test_no_fused_adamw_under_a_grad_scaler():
+    """precision=16-mixed: a fused AdamW unscales inside its step, so Lightning would leave the gradients scaled
+    (x65536) for configure_gradient_clipping, which would clip and log the scaled norm."""
+    import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    module = LitDecoder(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
+                        attention=dict(kind="sa", window=4),
+                        optim=dict(lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, warmup_steps=1,
+                                   min_lr_ratio=0.1), max_steps=10)
+    for plugins, fused in (([MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))], None),
+                           ([], True)):
+        module.trainer = L.Trainer(accelerator="cpu", devices=1, plugins=plugins, logger=False,
+                                   enable_checkpointing=False)
+        opt = module.configure_optimizers()["optimizer"]
+        assert [group["fused"] for group in opt.param_groups] == [fused, fused]
+        assert bool(getattr(opt, "_step_supports_amp_scaling", False)) == bool(fused)
 
 
 def test_weight_decay_groups_survive_fsdp_flattening():
