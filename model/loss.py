@@ -1,7 +1,7 @@
 """The LM head's cross-entropy, whole or over chunks of tokens.
 
-A 360M model at batch 16 x 2048 with a 32000-token vocabulary holds ~2 GB of bf16 logits, their ~4 GB fp32 copy for
-the softmax, and as much again for their gradient: more than its 24 blocks' attention. Over chunks of `chunk_tokens`
+A 360M model at batch 16 x 2048 with a 32000-token vocabulary keeps ~4 GB of fp32 log-probabilities for the
+backward, and their gradient takes as much again while it runs: more than its 24 blocks' attention. Over chunks of `chunk_tokens`
 rows, the logits of one chunk exist at a time and the gradients of the hidden states and of the head weight are
 computed in the forward pass (as Liger-Kernel's fused linear cross-entropy does), so the backward only scales them:
 no logits are saved or recomputed, and the FLOPs are those of the plain path. What it keeps from the forward to the
