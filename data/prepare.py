@@ -4,7 +4,7 @@ The result lives in `<cache_dir>/<kind>-<hash>/`: train_000.bin ..., val.bin, to
 written last, so a folder without it is an interrupted preparation; a second run with the same inputs reuses the
 folder. An interrupted one resumes after the last train shard it wrote (progress.json records the documents that
 shard and the validation parts so far hold), so a preparation of billions of tokens stopped after hours loses
-minutes, and the result is the same bytes as an uninterrupted one.
+minutes, and its shards, validation shard and tokenizer are the same bytes as an uninterrupted one's.
 """
 
 from __future__ import annotations
@@ -203,6 +203,21 @@ def _resumable(root: Path) -> dict | None:
         return None
 
 
+def _batches(docs, max_docs: int = 256, max_chars: int = 4_000_000):
+    """Lists of documents for encode_batch: up to 256 short ones, or as many long ones (books) as fill ~1M tokens, so
+    a batch of books neither holds gigabytes nor leaves a resume point only every 256 of them. The cuts depend on
+    the documents alone, so a resumed preparation cuts the rest as an uninterrupted one does."""
+    batch, chars = [], 0
+    for doc in docs:
+        batch.append(doc)
+        chars += len(doc)
+        if len(batch) >= max_docs or chars >= max_chars:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
 def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     root.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -245,6 +260,9 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     val_parts: list[str] = list(saved["val_parts"]) if saved else []  # validation documents up to the last shard
     counts = dict(saved["counts"]) if saved else {"train": 0, "val": 0, "documents": 0, "val_documents": 0}
 
+    def elapsed() -> float:  # over every attempt
+        return round(time.time() - start + (saved.get("seconds", 0.0) if saved else 0.0), 1)
+
     def flush_train(resumable: bool = True):
         if train_buf:
             name = f"train_{len(train_names):03d}.bin"
@@ -260,20 +278,17 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
             # every document counted so far is in a written file: a preparation stopped from here resumes here
             shards.atomic_write_text(root / PROGRESS, json.dumps(
                 {"format_version": FORMAT_VERSION, "tokenizer_hash": tokenizer_hash(tok), "counts": counts,
-                 "train_shards": train_names, "val_parts": val_parts}))
+                 "train_shards": train_names, "val_parts": val_parts, "seconds": elapsed()}))
 
-    all_docs = itertools.chain(head, docs)
+    all_docs = _batches(itertools.chain(head, docs))
     bar = _progress_bar(progress)
     task = bar.add_task("tokenizing", total=max_tokens, completed=counts["train"] + counts["val"]) if bar else None
     pending = 0
     with bar or nullcontext():
-        while True:
-            batch = list(itertools.islice(all_docs, 256))
-            if not batch:
-                break
+        for batch in all_docs:
             for ids in tok.encode_batch(batch):
                 if max_tokens and counts["train"] + counts["val"] >= max_tokens:
-                    break  # the limit holds to a document, not to a batch of 256
+                    break  # the limit holds to a document, not to a batch
                 arr = np.asarray(ids.ids + [eos], dtype=dtype)
                 is_val = _is_val(counts["documents"], cfg["val_fraction"])
                 (val_buf if is_val else train_buf).append(arr)
@@ -288,7 +303,8 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
                 flush_train()
             if max_tokens and counts["train"] + counts["val"] >= max_tokens:
                 break
-    if not val_parts and not val_buf and len(train_buf) > 1:  # a tiny corpus that held out nothing: hold out one
+    # a tiny corpus whose hash split held out nothing: hold out its last document
+    if not val_parts and not val_buf and train_buf and (len(train_buf) > 1 or train_names):
         val_buf.append(train_buf.pop())
         counts["train"] -= val_buf[0].size
         counts["val"] += val_buf[0].size
@@ -296,6 +312,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     flush_train(resumable=False)
     val = [np.asarray(shards.read_shard(root / name)) for name in val_parts] + val_buf
     if not train_names or not val:
+        (root / PROGRESS).unlink(missing_ok=True)  # a corrected config (larger data.shard_tokens) must start afresh
         raise ConfigError("data.source", cfg["source"].get("paths", cfg["source"]["kind"]),
                           f"too little text to split into train and validation ({counts['documents']} documents)")
     share = counts["val"] / max(1, counts["train"] + counts["val"])
@@ -315,7 +332,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
         "train_shards": train_names,
         "val_shard": "val.bin",
         "val_fraction": cfg["val_fraction"],
-        "seconds": round(time.time() - start, 1),
+        "seconds": elapsed(),
     }
     shards.atomic_write_bytes(root / "meta.json", [json.dumps(meta, indent=2).encode()])
     for name in [PROGRESS] + val_parts:  # what a resume needed; val.bin holds the parts

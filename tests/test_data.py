@@ -98,7 +98,34 @@ def test_an_interrupted_preparation_resumes_after_its_last_shard(tmp_path, monke
                             whole.train_shards + [whole.val_shard, whole.tokenizer_path]):
         assert ours.read_bytes() == theirs.read_bytes(), ours.name
     assert resumed.meta["tokens"] == whole.meta["tokens"]
+    assert resumed.meta["seconds"] >= saved["seconds"]  # the time of both attempts
     assert sorted(p.name for p in root.iterdir()) == sorted(p.name for p in whole.root.iterdir())  # nothing left
+
+
+def test_a_preparation_that_fails_for_too_little_text_is_not_resumed(tmp_path, corpus_file):
+    """No document falls in the validation split and small shards wrote every training one: the preparation fails,
+    and a corrected config (default data.shard_tokens, the same cache folder) starts afresh instead of resuming into
+    the same failure; it holds out the last document."""
+    from data.prepare import prepared_root
+
+    cfg = data_cfg([corpus_file], val_fraction=1e-9, shard_tokens=10)
+    with pytest.raises(ConfigError, match="too little text"):
+        prepare(cfg, tmp_path, progress=False)
+    root = prepared_root(cfg, tmp_path)
+    assert not (root / "progress.json").exists()
+    fixed = dict(cfg, shard_tokens=10**8)
+    assert prepared_root(fixed, tmp_path) == root  # shard_tokens is not part of the cache key
+    prepared = prepare(fixed, tmp_path, progress=False)
+    assert prepared.meta["tokens"]["val_documents"] == 1 and len(prepared.train_shards) == 1
+
+
+def test_long_documents_are_tokenized_in_smaller_batches():
+    from data.prepare import _batches
+
+    short = [[len(b) for b in _batches(["x" * 10] * 600)]]
+    assert short == [[256, 256, 88]]
+    books = [len(b) for b in _batches(["x" * 1_500_000] * 10)]  # ~4M characters a batch
+    assert books == [3, 3, 3, 1]
 
 
 def test_max_tokens_stops_within_one_document_of_the_limit(tmp_path, corpus_file):
