@@ -304,11 +304,13 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
             if max_tokens and counts["train"] + counts["val"] >= max_tokens:
                 break
     # a tiny corpus whose hash split held out nothing: hold out its last document
-    if not val_parts and not val_buf and train_buf and (len(train_buf) > 1 or train_names):
-        val_buf.append(train_buf.pop())
-        counts["train"] -= val_buf[0].size
-        counts["val"] += val_buf[0].size
-        counts["val_documents"] += 1
+    if not val_parts and not val_buf:
+        last = _last_document(train_buf, train_names, root, eos)
+        if last is not None:
+            val_buf.append(last)
+            counts["train"] -= last.size
+            counts["val"] += last.size
+            counts["val_documents"] += 1
     flush_train(resumable=False)
     val = [np.asarray(shards.read_shard(root / name)) for name in val_parts] + val_buf
     if not train_names or not val:
@@ -338,6 +340,27 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     for name in [PROGRESS] + val_parts:  # what a resume needed; val.bin holds the parts
         (root / name).unlink(missing_ok=True)
     return _load_prepared(root)
+
+
+def _last_document(train_buf: list, train_names: list, root: Path, eos: int) -> np.ndarray | None:
+    """Take the last training document back (for validation), from the buffer or else from the last written shard,
+    which is rewritten without it; None if that would leave no training document."""
+    if train_buf:
+        return train_buf.pop() if len(train_buf) > 1 or train_names else None
+    if not train_names:
+        return None
+    tokens = np.array(shards.read_shard(root / train_names[-1]))  # a copy: the file is rewritten below
+    ends = np.flatnonzero(tokens == eos)  # EOS only ends documents (special tokens in text encode as text)
+    cut = int(ends[-2]) + 1 if len(ends) > 1 else 0
+    if cut or len(train_names) > 1:  # the saved progress no longer matches the shards: a crash from here restarts
+        (root / PROGRESS).unlink(missing_ok=True)
+    if cut:
+        shards.write_shard(root / train_names[-1], tokens[:cut])
+    elif len(train_names) > 1:
+        (root / train_names.pop()).unlink()
+    else:
+        return None
+    return tokens[cut:]
 
 
 def _progress_bar(enabled: bool):

@@ -102,21 +102,43 @@ def test_an_interrupted_preparation_resumes_after_its_last_shard(tmp_path, monke
     assert sorted(p.name for p in root.iterdir()) == sorted(p.name for p in whole.root.iterdir())  # nothing left
 
 
-def test_a_preparation_that_fails_for_too_little_text_is_not_resumed(tmp_path, corpus_file):
-    """No document falls in the validation split and small shards wrote every training one: the preparation fails,
-    and a corrected config (default data.shard_tokens, the same cache folder) starts afresh instead of resuming into
-    the same failure; it holds out the last document."""
+@pytest.mark.parametrize(("documents", "train_shards"), [(300, 2), (257, 1)])  # the last shard had 44 documents,
+def test_small_shards_that_took_every_document_give_the_last_one_back_for_validation(tmp_path, documents,
+                                                                                      train_shards):  # or one
+    """No document falls in the validation split and small shards wrote every one before the end (a shard per batch
+    of 256 documents): the last document is taken back from the last shard. Together the files hold the same tokens
+    as with one large shard."""
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i}: " + "some words " * (5 + i % 7)}) + "\n"
+                            for i in range(documents)))
+    cfg = data_cfg([path], val_fraction=1e-9)
+    small = prepare(dict(cfg, shard_tokens=10), tmp_path / "small", progress=False)
+    large = prepare(dict(cfg, shard_tokens=10**8), tmp_path / "large", progress=False)
+    assert len(small.train_shards) == train_shards and len(large.train_shards) == 1
+    assert small.meta["tokens"] == large.meta["tokens"] and small.meta["tokens"]["val_documents"] == 1
+
+    def tokens(prepared):
+        return np.concatenate([np.asarray(shards.read_shard(p)) for p in prepared.train_shards + [prepared.val_shard]])
+
+    np.testing.assert_array_equal(tokens(small), tokens(large))
+    np.testing.assert_array_equal(shards.read_shard(small.val_shard), shards.read_shard(large.val_shard))
+    assert sorted(p.name for p in small.root.iterdir()) == sorted(
+        ["meta.json", "tokenizer.json", "val.bin"] + [p.name for p in small.train_shards])  # no resume files left
+
+
+def test_a_preparation_that_fails_for_too_little_text_leaves_no_progress(tmp_path):
+    """One document cannot be split into train and validation. The preparation fails after writing a shard and a
+    resume point, and removes the resume point: a corrected source then starts afresh instead of resuming into the
+    same failure."""
     from data.prepare import prepared_root
 
-    cfg = data_cfg([corpus_file], val_fraction=1e-9, shard_tokens=10)
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"text": "a single document of a few words " * 20}) + "\n")
+    cfg = data_cfg([path], shard_tokens=10)
     with pytest.raises(ConfigError, match="too little text"):
-        prepare(cfg, tmp_path, progress=False)
-    root = prepared_root(cfg, tmp_path)
-    assert not (root / "progress.json").exists()
-    fixed = dict(cfg, shard_tokens=10**8)
-    assert prepared_root(fixed, tmp_path) == root  # shard_tokens is not part of the cache key
-    prepared = prepare(fixed, tmp_path, progress=False)
-    assert prepared.meta["tokens"]["val_documents"] == 1 and len(prepared.train_shards) == 1
+        prepare(cfg, tmp_path / "cache", progress=False)
+    root = prepared_root(cfg, tmp_path / "cache")
+    assert (root / "train_000.bin").exists() and not (root / "progress.json").exists()
 
 
 def test_long_documents_are_tokenized_in_smaller_batches():

@@ -499,6 +499,31 @@ def test_training_uses_the_fused_adamw_and_resumes_an_unfused_ones_state():
     assert all(torch.equal(a, b) for a, b in zip(resumed_module.parameters(), reference_module.parameters()))
 
 
+def test_a_resume_that_stays_unfused_says_so(monkeypatch):
+    """The unfused AdamW a pre-2026-12-02 checkpoint brings is noted in the log at the start of training; a fused
+    optimizer, and one left unfused for a GradScaler, are not."""
+    import lightning as L
+    import model.lightning_module as lm
+
+    notes = []
+    monkeypatch.setattr(lm, "rank_zero_info", notes.append)
+    module = LitDecoder(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
+                        attention=dict(kind="sa", window=4),
+                        optim=dict(lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, warmup_steps=1,
+                                   min_lr_ratio=0.1), max_steps=10)
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    fused = module.configure_optimizers()["optimizer"]
+    unfused = torch.optim.AdamW([{"params": g["params"]} for g in fused.param_groups])  # as checkpoints made them
+    for opt, expected in ((fused, 0), (unfused, 1)):
+        module.trainer.strategy.optimizers = [opt]
+        module._note_unfused_resume()
+        assert len(notes) == expected
+    assert "unfused" in notes[0] and "bench.optimizer" in notes[0]
+    monkeypatch.setattr(module.trainer.precision_plugin, "scaler", torch.amp.GradScaler("cpu"), raising=False)
+    module._note_unfused_resume()
+    assert len(notes) == 1
+
+
 def test_no_fused_adamw_under_a_grad_scaler():
     """precision=16-mixed: a fused AdamW unscales inside its step, so Lightning would leave the gradients scaled
     (x65536) for configure_gradient_clipping, which would clip and log the scaled norm."""
