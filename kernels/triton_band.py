@@ -27,6 +27,7 @@ used, since the interpreter's cost grows with programs x ops, not FLOPs.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 
@@ -473,14 +474,20 @@ def _fixed_gpu_config(row_bytes: int) -> dict:
     return {"BLOCK_M": blk, "BLOCK_N": blk, "num_warps": 4, "num_stages": 3 if row_bytes <= 128 else 2}
 
 
+def _autotuned(kernel, configs):
+    """The kernel behind Triton's autotuner, its timings kept in Triton's disk cache (~/.triton/cache) where this
+    Triton can (cache_results, Triton >= 3.2): a restarted or resumed run on the same machine launches the configs
+    chosen before, so its kernels round as they did, and skips the benchmarking. Configs differ in tile sizes, and
+    with them the order of the fp32 sums. The key holds the GPU's architecture and the kernel's source."""
+    cache = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+    return triton.autotune(configs, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune}, **cache)(kernel)
+
+
 if not _AUTOTUNE:
     _fwd, _dq, _dkdv = _fwd_kernel, _dq_kernel, _dkdv_kernel
 else:
-    _fwd = triton.autotune(_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_fwd_kernel)
-    _dq = triton.autotune(_DQ_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})(_dq_kernel)
-    _dkdv = triton.autotune(_DKDV_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})(
-        _dkdv_kernel
-    )
+    _fwd, _dq, _dkdv = (_autotuned(_fwd_kernel, _FWD_CONFIGS), _autotuned(_dq_kernel, _DQ_CONFIGS),
+                        _autotuned(_dkdv_kernel, _DKDV_CONFIGS))
 
 
 def _interp_blocks(n: int) -> dict:

@@ -264,6 +264,20 @@ def test_rejects_bad_arguments():
         triton_banded_attention(q.double(), q.double(), q.double(), 1, 0, None)
 
 
+def test_autotuned_kernels_keep_their_timings_on_disk(monkeypatch):
+    """On a GPU (not interpreting) the autotuner keeps its timings in Triton's cache: a resumed run launches the
+    configs it ran before. The interpreter never autotunes; here it is switched off just to build the autotuner."""
+    import triton
+    from triton import knobs
+
+    import kernels.triton_band as tb
+
+    monkeypatch.setattr(knobs.runtime, "interpret", False)
+    tuner = tb._autotuned(tb._dq_kernel, tb._DQ_CONFIGS)
+    assert isinstance(tuner, triton.runtime.Autotuner)
+    assert tuner.cache_results and tuner.keys == tb._TUNE_KEY and tuner.configs == tb._DQ_CONFIGS
+
+
 @settings(max_examples=10, deadline=None)
 @given(
     data=st.data(),
