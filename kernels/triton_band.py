@@ -474,13 +474,14 @@ def _fixed_gpu_config(row_bytes: int) -> dict:
     return {"BLOCK_M": blk, "BLOCK_N": blk, "num_warps": 4, "num_stages": 3 if row_bytes <= 128 else 2}
 
 
-def _autotuned(kernel, configs):
+def _autotuned(kernel, configs, **options):
     """The kernel behind Triton's autotuner, its timings kept in Triton's disk cache (~/.triton/cache) where this
     Triton can (cache_results, Triton >= 3.2): a restarted or resumed run on the same machine launches the configs
     chosen before, so its kernels round as they did, and skips the benchmarking. Configs differ in tile sizes, and
     with them the order of the fp32 sums. The key holds the GPU's architecture and the kernel's source."""
     cache = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-    return triton.autotune(configs, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune}, **cache)(kernel)
+    return triton.autotune(configs, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune},
+                           **cache, **options)(kernel)
 
 
 if not _AUTOTUNE:

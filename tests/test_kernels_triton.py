@@ -278,6 +278,34 @@ def test_autotuned_kernels_keep_their_timings_on_disk(monkeypatch):
     assert tuner.cache_results and tuner.keys == tb._TUNE_KEY and tuner.configs == tb._DQ_CONFIGS
 
 
+def test_the_autotuned_launch_path_matches_the_reference(tb, monkeypatch):
+    """CI runs the kernels at one config; a GPU autotunes, then launches the chosen config directly (`_launch`'s
+    cache). That path runs here under the interpreter, with two configs timed by a CPU clock: the autotuner's
+    benchmark calls must leave correct outputs (the kernels overwrite, never accumulate into, what they write), and
+    the second call of each shape takes the cached config."""
+    import time
+
+    def cpu_bench(fn, quantiles=None, **_):
+        start = time.perf_counter()
+        fn()
+        ms = (time.perf_counter() - start) * 1e3
+        return [ms] * len(quantiles) if quantiles else ms
+
+    configs = tb._configs([(16, 16, 4, 1), (32, 32, 4, 1)])
+    monkeypatch.setattr(tb, "_AUTOTUNE", True)
+    monkeypatch.setattr(tb, "_chosen", {})
+    for name, kernel in (("_fwd", tb._fwd_kernel), ("_dq", tb._dq_kernel), ("_dkdv", tb._dkdv_kernel)):
+        monkeypatch.setattr(tb, name, tb._autotuned(kernel, configs, do_bench=cpu_bench))
+    gen = torch.Generator().manual_seed(7)
+    qkv, do = make_inputs(2, 4, 2, 45, 16, F32, gen)
+    for kind in ("none", "batch"):
+        perm = make_perm(kind, 2, 45, gen)
+        for _ in range(2):  # autotune, then the cached config
+            check_against_naive(qkv, do, *default_band(9, perm is not None), perm, F32)
+    assert len(tb._chosen) == 6  # three kernels, with and without pi
+    assert {cfg["BLOCK_M"] for cfg in tb._chosen.values()} <= {16, 32}
+
+
 @settings(max_examples=10, deadline=None)
 @given(
     data=st.data(),
