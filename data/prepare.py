@@ -259,6 +259,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     train_names: list[str] = list(saved["train_shards"]) if saved else []
     val_parts: list[str] = list(saved["val_parts"]) if saved else []  # validation documents up to the last shard
     counts = dict(saved["counts"]) if saved else {"train": 0, "val": 0, "documents": 0, "val_documents": 0}
+    last_train = saved.get("last_train_tokens") if saved else None  # the size of the last training document
 
     def elapsed() -> float:  # over every attempt
         return round(time.time() - start + (saved.get("seconds", 0.0) if saved else 0.0), 1)
@@ -278,7 +279,8 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
             # every document counted so far is in a written file: a preparation stopped from here resumes here
             shards.atomic_write_text(root / PROGRESS, json.dumps(
                 {"format_version": FORMAT_VERSION, "tokenizer_hash": tokenizer_hash(tok), "counts": counts,
-                 "train_shards": train_names, "val_parts": val_parts, "seconds": elapsed()}))
+                 "train_shards": train_names, "val_parts": val_parts, "last_train_tokens": last_train,
+                 "seconds": elapsed()}))
 
     all_docs = _batches(itertools.chain(head, docs))
     bar = _progress_bar(progress)
@@ -292,6 +294,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
                 arr = np.asarray(ids.ids + [eos], dtype=dtype)
                 is_val = _is_val(counts["documents"], cfg["val_fraction"])
                 (val_buf if is_val else train_buf).append(arr)
+                last_train = last_train if is_val else arr.size
                 counts["val" if is_val else "train"] += arr.size
                 counts["val_documents"] += int(is_val)
                 counts["documents"] += 1
@@ -305,7 +308,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
                 break
     # a tiny corpus whose hash split held out nothing: hold out its last document
     if not val_parts and not val_buf:
-        last = _last_document(train_buf, train_names, root, eos)
+        last = _last_document(train_buf, train_names, root, last_train)
         if last is not None:
             val_buf.append(last)
             counts["train"] -= last.size
@@ -342,19 +345,18 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     return _load_prepared(root)
 
 
-def _last_document(train_buf: list, train_names: list, root: Path, eos: int) -> np.ndarray | None:
-    """Take the last training document back (for validation), from the buffer or else from the last written shard,
-    which is rewritten without it; None if that would leave no training document."""
+def _last_document(train_buf: list, train_names: list, root: Path, size: int | None) -> np.ndarray | None:
+    """Take the last training document (`size` tokens) back for validation, from the buffer or else from the end of
+    the last written shard, which is rewritten without it; None if that would leave no training document."""
     if train_buf:
         return train_buf.pop() if len(train_buf) > 1 or train_names else None
-    if not train_names:
+    if not train_names or not size:  # no size: a resume point written before it was recorded
         return None
     tokens = np.array(shards.read_shard(root / train_names[-1]))  # a copy: the file is rewritten below
-    ends = np.flatnonzero(tokens == eos)  # EOS only ends documents (special tokens in text encode as text)
-    cut = int(ends[-2]) + 1 if len(ends) > 1 else 0
-    if cut or len(train_names) > 1:  # the saved progress no longer matches the shards: a crash from here restarts
+    cut = tokens.size - size  # by size, not at an EOS: a loaded tokenizer's template may add EOS tokens of its own
+    if cut > 0 or len(train_names) > 1:  # the saved progress no longer matches the shards: a crash from here restarts
         (root / PROGRESS).unlink(missing_ok=True)
-    if cut:
+    if cut > 0:
         shards.write_shard(root / train_names[-1], tokens[:cut])
     elif len(train_names) > 1:
         (root / train_names.pop()).unlink()

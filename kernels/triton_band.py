@@ -20,7 +20,7 @@ all, as in flash attention's unmasked off-diagonal blocks. The loops load pi's e
 and those for the mask in their own step (_loop_tile), so gathered tiles pipeline as deep as contiguous ones.
 
 Block sizes are autotuned on CUDA (key: n and left+right+1 rounded up to powers of two, head dim, pi or not, GQA
-group; env SA_TRITON_AUTOTUNE=0 pins one config); under TRITON_INTERPRET=1 (CPU tests) one large-block config is
+group, split loops or not; timings kept on disk; env SA_TRITON_AUTOTUNE=0 pins one config); under TRITON_INTERPRET=1 (CPU tests) one large-block config is
 used, since the interpreter's cost grows with programs x ops, not FLOPs.
 """
 
@@ -421,8 +421,9 @@ def _dq_kernel(
 
 # Tuning key: sequence length and band width rounded up to powers of two (n_key, band_key: launch arguments the
 # kernels ignore), so variable-length evaluation does not re-tune for every length; the head dim, whether rows move
-# through pi (gathers) and the GQA group (the dk/dv kernel's work per program).
-_TUNE_KEY = ["n_key", "band_key", "HEAD_DIM", "HAS_PERM", "GROUP"]
+# through pi (gathers), the GQA group (the dk/dv kernel's work per program) and SPLIT (SA_TRITON_SPLIT: another loop
+# structure, whose best tiles differ; constant in a process, but the timings on disk are shared between processes).
+_TUNE_KEY = ["n_key", "band_key", "HEAD_DIM", "HAS_PERM", "GROUP", "SPLIT"]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -476,9 +477,10 @@ def _fixed_gpu_config(row_bytes: int) -> dict:
 
 def _autotuned(kernel, configs, **options):
     """The kernel behind Triton's autotuner, its timings kept in Triton's disk cache (~/.triton/cache) where this
-    Triton can (cache_results, Triton >= 3.2): a restarted or resumed run on the same machine launches the configs
-    chosen before, so its kernels round as they did, and skips the benchmarking. Configs differ in tile sizes, and
-    with them the order of the fp32 sums. The key holds the GPU's architecture and the kernel's source."""
+    Triton can (cache_results, Triton >= 3.4): a restarted or resumed run on the same machine skips the benchmarking
+    and launches the configs chosen before, so a one-process run's kernels round as they did (configs differ in tile
+    sizes, and with them the order of the fp32 sums). The ranks of a job each tune at first and share one file, the
+    last written, afterwards. The key holds the GPU's architecture and the kernel's source."""
     cache = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
     return triton.autotune(configs, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune},
                            **cache, **options)(kernel)

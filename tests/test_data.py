@@ -102,16 +102,48 @@ def test_an_interrupted_preparation_resumes_after_its_last_shard(tmp_path, monke
     assert sorted(p.name for p in root.iterdir()) == sorted(p.name for p in whole.root.iterdir())  # nothing left
 
 
-@pytest.mark.parametrize(("documents", "train_shards"), [(300, 2), (257, 1)])  # the last shard had 44 documents,
-def test_small_shards_that_took_every_document_give_the_last_one_back_for_validation(tmp_path, documents,
-                                                                                      train_shards):  # or one
+@pytest.mark.parametrize(("documents", "train_shards", "how"), [
+    (300, 2, "trained"),  # the last shard holds 44 documents
+    (257, 1, "trained"),  # the last shard holds only the last document: it goes
+    (300, 2, "template"),  # a loaded tokenizer whose template ends every encoding with EOS (two per document)
+    (256, 1, "resumed"),  # the source fails after the shard of all 256: the resume finds only the saved progress
+])
+def test_small_shards_that_took_every_document_give_the_last_one_back_for_validation(tmp_path, monkeypatch, documents,
+                                                                                      train_shards, how):
     """No document falls in the validation split and small shards wrote every one before the end (a shard per batch
     of 256 documents): the last document is taken back from the last shard. Together the files hold the same tokens
-    as with one large shard."""
+    as with one large shard, and validation the same document."""
+    from tokenizers import processors
+
+    from data import sources
+    from data.prepare import prepared_root
+    from data.tokenizer import train_bpe
+
+    texts = [f"document {i}: " + "some words " * (5 + i % 7) for i in range(documents)]
     path = tmp_path / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"text": f"document {i}: " + "some words " * (5 + i % 7)}) + "\n"
-                            for i in range(documents)))
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     cfg = data_cfg([path], val_fraction=1e-9)
+    if how == "template":
+        tok = train_bpe(texts, 300)
+        eos = tok.token_to_id("<|endoftext|>")
+        tok.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>",
+                                                           special_tokens=[("<|endoftext|>", eos)])
+        tok.save(str(tmp_path / "tokenizer.json"))
+        cfg["tokenizer"] = dict(cfg["tokenizer"], path=str(tmp_path / "tokenizer.json"))
+    if how == "resumed":
+        cfg["tokenizer"]["train_chars"] = 2000  # trained on the first documents, not the whole (failing) stream
+        real = sources.documents
+
+        def failing(source):
+            yield from real(source)
+            raise ConnectionError("the stream dropped after its last document")
+
+        monkeypatch.setattr(sources, "documents", failing)
+        with pytest.raises(ConnectionError):
+            prepare(dict(cfg, shard_tokens=10), tmp_path / "small", progress=False)
+        monkeypatch.setattr(sources, "documents", real)
+        saved = json.loads((prepared_root(cfg, tmp_path / "small") / "progress.json").read_text())
+        assert saved["counts"]["documents"] == 256 and saved["last_train_tokens"] > 1
     small = prepare(dict(cfg, shard_tokens=10), tmp_path / "small", progress=False)
     large = prepare(dict(cfg, shard_tokens=10**8), tmp_path / "large", progress=False)
     assert len(small.train_shards) == train_shards and len(large.train_shards) == 1

@@ -267,10 +267,15 @@ def test_rejects_bad_arguments():
 def test_autotuned_kernels_keep_their_timings_on_disk(monkeypatch):
     """On a GPU (not interpreting) the autotuner keeps its timings in Triton's cache: a resumed run launches the
     configs it ran before. The interpreter never autotunes; here it is switched off just to build the autotuner."""
+    import inspect
+
     import triton
-    from triton import knobs
 
     import kernels.triton_band as tb
+
+    if "cache_results" not in inspect.signature(triton.autotune).parameters:
+        pytest.skip(f"Triton {triton.__version__} keeps no autotune timings on disk (3.4 and later do)")
+    from triton import knobs
 
     monkeypatch.setattr(knobs.runtime, "interpret", False)
     tuner = tb._autotuned(tb._dq_kernel, tb._DQ_CONFIGS)
