@@ -20,8 +20,9 @@ all, as in flash attention's unmasked off-diagonal blocks. The loops load pi's e
 and those for the mask in their own step (_loop_tile), so gathered tiles pipeline as deep as contiguous ones.
 
 Block sizes are autotuned on CUDA (key: n and left+right+1 rounded up to powers of two, head dim, pi or not, GQA
-group, split loops or not; timings kept on disk; env SA_TRITON_AUTOTUNE=0 pins one config); under TRITON_INTERPRET=1 (CPU tests) one large-block config is
-used, since the interpreter's cost grows with programs x ops, not FLOPs.
+group, split loops or not; timings kept on disk; env SA_TRITON_AUTOTUNE=0 pins one config); under
+TRITON_INTERPRET=1 (CPU tests) one large-block config is used, since the interpreter's cost grows with programs x
+ops, not FLOPs.
 """
 
 from __future__ import annotations

@@ -231,13 +231,16 @@ class LitDecoder(L.LightningModule):
     def _note_unfused_resume(self):
         """A checkpoint's optimizer state brings its own `fused` flag: one made before the fused AdamW (2026-12-02)
         resumes unfused, so its steps continue bit for bit. Say so, or the slower steps are a mystery."""
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None) is not None
         for opt in self.trainer.optimizers:
             params = [p for group in opt.param_groups for p in group["params"]]
-            if _fusable(params, scaler) and not any(group.get("fused") for group in opt.param_groups):
+            if _fusable(params, self._grad_scaler()) and not any(group.get("fused") for group in opt.param_groups):
                 rank_zero_info("AdamW runs unfused, as in the checkpoint this run resumed from (its steps continue "
                                "exactly); a new run uses torch's fused AdamW, whose steps are 2.6-3.2x faster "
                                "(python -m bench.optimizer)")
+
+    def _grad_scaler(self) -> bool:
+        """Whether the gradients reach the optimizer scaled (precision=16-mixed): AdamW is not fused then."""
+        return self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
 
     def _apply_optim_config(self):
         """Set the optimizer and the schedule to this run's optim config. A resume restores both from the checkpoint,
@@ -374,9 +377,8 @@ class LitDecoder(L.LightningModule):
             if p.requires_grad:
                 (decay if _unwrapped_name(name) in self._decay_names else no_decay).append(p)
         cfg = self.optim_cfg
-        scaler = self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
         opt = adamw([{"params": decay, "weight_decay": cfg["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-                    grad_scaler=scaler, lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"])
+                    grad_scaler=self._grad_scaler(), lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"])
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lr_lambda(cfg["warmup_steps"], self.max_steps, cfg["min_lr_ratio"],
                            cfg.get("schedule", OPTIM_DEFAULTS["schedule"]),

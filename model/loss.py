@@ -1,12 +1,12 @@
 """The LM head's cross-entropy, whole or over chunks of tokens.
 
 A 360M model at batch 16 x 2048 with a 32000-token vocabulary keeps ~4 GB of fp32 log-probabilities for the
-backward, and their gradient takes as much again while it runs: more than its 24 blocks' attention. Over chunks of `chunk_tokens`
-rows, the logits of one chunk exist at a time and the gradients of the hidden states and of the head weight are
-computed in the forward pass (as Liger-Kernel's fused linear cross-entropy does), so the backward only scales them:
-no logits are saved or recomputed, and the FLOPs are those of the plain path. What it keeps from the forward to the
-backward instead: the hidden states' gradient ([tokens, d], in their dtype) and the head weight's in float32 ([vocab,
-d], ~131 MB for the 360M model, whole on every rank under FSDP).
+backward, and their gradient takes as much again while it runs: more than its 24 blocks' attention. Over chunks of
+`chunk_tokens` rows, the logits of one chunk exist at a time and the gradients of the hidden states and of the head
+weight are computed in the forward pass (as Liger-Kernel's fused linear cross-entropy does), so the backward only
+scales them: no logits are saved or recomputed, and the FLOPs are those of the plain path. What it keeps from the
+forward to the backward instead: the hidden states' gradient ([tokens, d], in their dtype) and the head weight's in
+float32 ([vocab, d], ~131 MB for the 360M model, whole on every rank under FSDP).
 
 The head weight is read directly (not through the lm_head module): under FSDP it lies in the root unit, unsharded
 during the wrapped training and validation steps.
