@@ -107,7 +107,7 @@ def trained_context(tokenizer, trained: dict, max_seq_len: int) -> int:
     spec = ProbeSpec(task=str(trained.get("task", "kv")).split(",")[0], length=int(trained["length"]),
                      num_pairs=int(trained.get("num_pairs", 8)), filler=trained.get("filler", "sentences"),
                      key_digits=int(trained.get("key_digits", 3)), value_digits=int(trained.get("value_digits", 4)))
-    tokens = max(len(tokenizer.encode(make_probe(spec, i).prompt).ids) for i in range(8))
+    tokens = max(len(tokenizer.encode(make_probe(spec, i).prompt, add_special_tokens=False).ids) for i in range(8))
     return min(max_seq_len, tokens + 8)
 
 
@@ -125,7 +125,7 @@ def build_examples(tokenizer, task: str, num: int, context: int, seed: int, num_
     while len(examples) < num and index < 3 * num:
         probe = make_probe(spec, index, units)
         index += 1
-        enc = tokenizer.encode(probe.prompt + probe.answer)
+        enc = tokenizer.encode(probe.prompt + probe.answer, add_special_tokens=False)  # as the shards were
         n_prompt = sum(1 for start, _ in enc.offsets if start < len(probe.prompt))
         ids = enc.ids
         if len(ids) > context or n_prompt >= len(ids):

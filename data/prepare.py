@@ -27,8 +27,10 @@ from model.config import ConfigError
 
 # 2: max_tokens is checked after every document (1 overshot by up to 256 documents); 3: a special token's text inside
 # a document is text (2 turned a literal "<|endoftext|>" into an EOS, splitting the document); 4: the tokenizer is
-# trained on training documents only (3 also saw the validation ones), and a loaded one neither truncates nor pads
-FORMAT_VERSION = 4
+# trained on training documents only (3 also saw the validation ones), and a loaded one neither truncates nor pads;
+# 5: a loaded tokenizer's template adds nothing (4 wrote "<s> doc </s> EOS" for a "<s> $A </s>" template, so
+# documents ended in two EOS and began with a BOS that evaluation, which encodes without the template, never feeds)
+FORMAT_VERSION = 5
 
 
 @dataclass
@@ -288,7 +290,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     pending = 0
     with bar or nullcontext():
         for batch in all_docs:
-            for ids in tok.encode_batch(batch):
+            for ids in tok.encode_batch(batch, add_special_tokens=False):
                 if max_tokens and counts["train"] + counts["val"] >= max_tokens:
                     break  # the limit holds to a document, not to a batch
                 arr = np.asarray(ids.ids + [eos], dtype=dtype)

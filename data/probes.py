@@ -146,16 +146,20 @@ class TokenUnits:
     def __init__(self, tokenizer):
         self.tok = tokenizer
 
+    def _encode(self, text: str):
+        # without a template's BOS / EOS, whose offsets (0, 0) would count and cut as if they were text
+        return self.tok.encode(text, add_special_tokens=False)
+
     def count(self, text: str) -> int:
-        return len(self.tok.encode(text).ids) if text else 0
+        return len(self._encode(text).ids) if text else 0
 
     def cut(self, text: str, units: int) -> str:
-        enc = self.tok.encode(text)
+        enc = self._encode(text)
         return text if units >= len(enc.ids) else text[: enc.offsets[units][0]]
 
     def distance(self, prompt: str, end: int) -> int:
         """Tokens of `prompt` after the one that holds character end - 1."""
-        offsets = self.tok.encode(prompt).offsets
+        offsets = self._encode(prompt).offsets
         last = max(i for i, (start, _) in enumerate(offsets) if start < end)
         return len(offsets) - 1 - last
 

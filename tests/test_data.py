@@ -105,7 +105,7 @@ def test_an_interrupted_preparation_resumes_after_its_last_shard(tmp_path, monke
 @pytest.mark.parametrize(("documents", "train_shards", "how"), [
     (300, 2, "trained"),  # the last shard holds 44 documents
     (257, 1, "trained"),  # the last shard holds only the last document: it goes
-    (300, 2, "template"),  # a loaded tokenizer whose template ends every encoding with EOS (two per document)
+    (300, 2, "template"),  # a loaded tokenizer whose template ends every encoding with EOS (the template is not used)
     (256, 1, "resumed"),  # the source fails after the shard of all 256: the resume finds only the saved progress
 ])
 def test_small_shards_that_took_every_document_give_the_last_one_back_for_validation(tmp_path, monkeypatch, documents,
@@ -403,6 +403,39 @@ def test_a_loaded_tokenizer_neither_truncates_nor_pads(tmp_path, corpus_file):
     eos = first.meta["tokenizer"]["eos_id"]
     assert _tokens_by_document(second.train_shards, eos) == _tokens_by_document(first.train_shards, eos)
     assert load_tokenizer(tmp_path / "truncating.json").truncation is None
+
+
+def test_a_loaded_tokenizers_template_adds_nothing_to_the_documents(tmp_path):
+    """A Llama-style "<s> $A </s>" template would begin every document with a BOS and end it with two EOS (the
+    template's and ours); evaluation encodes without the template, so the model would train on a layout it is never
+    shown. The shards hold each document's plain tokens and one EOS, as with the same tokenizer without a template."""
+    from tokenizers import processors
+
+    from data.tokenizer import EOS, train_bpe
+
+    docs = [f"a document number {i} about cats and dogs" for i in range(60)]
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = train_bpe(docs, 280)
+    tok.add_special_tokens(["<s>"])
+    tok.save(str(tmp_path / "plain.json"))
+    ids = {t: tok.token_to_id(t) for t in ("<s>", EOS)}
+    tok.post_processor = processors.TemplateProcessing(single=f"<s> $A {EOS}", special_tokens=list(ids.items()))
+    tok.save(str(tmp_path / "template.json"))
+    assert tok.encode(docs[0]).ids[0] == ids["<s>"]  # the template is on
+
+    def prepared(name):
+        cfg = data_cfg([path])
+        cfg["tokenizer"] = dict(cfg["tokenizer"], path=str(tmp_path / name))
+        return prepare(cfg, tmp_path / name.removesuffix(".json"), progress=False)
+
+    with_template, without = prepared("template.json"), prepared("plain.json")
+    for a, b in zip(with_template.train_shards + [with_template.val_shard], without.train_shards + [without.val_shard]):
+        np.testing.assert_array_equal(shards.read_shard(a), shards.read_shard(b))
+    tokens = np.asarray(shards.read_shard(with_template.train_shards[0]))
+    assert ids["<s>"] not in tokens and not np.any((tokens[1:] == ids[EOS]) & (tokens[:-1] == ids[EOS]))
+    assert with_template.meta["tokens"]["train"] + with_template.meta["tokens"]["val"] == sum(
+        len(tok.encode(d, add_special_tokens=False).ids) + 1 for d in docs)
 
 
 def test_the_saved_tokenizer_encodes_documents_as_the_shards_hold_them(tmp_path):

@@ -270,3 +270,33 @@ def test_probe_results_get_a_folder_of_their_own_unless_they_score_the_final_che
     assert default_folder(summary()) == "probes"
     assert default_folder(summary(ckpt="step0000280.ckpt")) == "probes_step0000280"
     assert default_folder(summary(window=64, seeds=(0, 1, 2))) == "probes_window64_3seeds"
+
+
+def test_token_units_and_probe_examples_ignore_a_template():
+    """A "<s> $A </s>" template's tokens have offsets (0, 0): counted, they shifted every cut and distance by one,
+    and the appended EOS landed in the prompt. Units and examples are those of the same tokenizer without it."""
+    import copy
+
+    from tokenizers import processors
+
+    from analysis.probe_eval import build_examples
+    from data.tokenizer import EOS, train_bpe
+
+    texts = [p.text for p in generate(ProbeSpec(task="kv", length=1500, num_pairs=6), 30)]
+    plain = train_bpe(texts, 400)
+    plain.add_special_tokens(["<s>"])
+    templated = copy.deepcopy(plain)
+    templated.post_processor = processors.TemplateProcessing(
+        single=f"<s> $A {EOS}", special_tokens=[(t, plain.token_to_id(t)) for t in ("<s>", EOS)])
+    assert len(templated.encode("a b").ids) == len(plain.encode("a b").ids) + 2  # the template is on
+    spec = ProbeSpec(task="kv", length=200, num_pairs=3, distance=60, seed=3)
+    probes = [make_probe(spec, 0, TokenUnits(tok)) for tok in (plain, templated)]
+    assert probes[0] == probes[1]
+    text = probes[0].prompt
+    for units in (TokenUnits(plain), TokenUnits(templated)):
+        assert units.count(text) == len(plain.encode(text).ids)
+        assert units.cut(text, 10) == TokenUnits(plain).cut(text, 10) != text
+        assert units.distance(text, probes[0].value_end) == probes[0].distance
+    examples = [build_examples(tok, "kv", 3, 256, seed=1, num_pairs=3, filler="sentences")
+                for tok in (plain, templated)]
+    assert examples[0] == examples[1] and len(examples[0]) == 3
