@@ -41,8 +41,17 @@ def eval_out_dir(ckpt, out_dir, suite, stamp) -> str:
 OmegaConf.register_new_resolver("sa_eval_out_dir", eval_out_dir, replace=True)
 
 
-def _check_eval_config(eval_cfg: dict) -> None:
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+def _check_eval_config(eval_cfg: dict, hf: bool = False) -> None:
     from model.config import ConfigError
+
+    batch = eval_cfg.get("batch_size")
+    if not (isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1) and not (hf and batch == "auto"):
+        raise ConfigError("eval.batch_size", batch, "must be an integer >= 1" + (" or auto" if hf else ""))
+    if eval_cfg.get("dtype") not in (None, "auto", *DTYPES):
+        raise ConfigError("eval.dtype", eval_cfg["dtype"], f"must be null (the model's own), auto or one of {DTYPES}")
 
     if eval_cfg.get("data_dir") and not Path(eval_cfg["data_dir"]).is_dir():
         raise ConfigError("eval.data_dir", eval_cfg["data_dir"], "no such folder (it holds the task files: "
@@ -71,7 +80,7 @@ def main(cfg: DictConfig):
                  if v is not None and k in ("kind", "window", "backend", "eval_seed")}
     if cfg.model.hf:
         try:
-            _check_eval_config(eval_cfg)
+            _check_eval_config(eval_cfg, hf=True)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
@@ -101,9 +110,15 @@ def exported_attention(name: str, attention: dict) -> dict:
     import json
 
     exported = Path(name) / "sa_export.json"
-    if not exported.is_file() or "kind" in attention:
+    if not exported.is_file():
         return attention
     trained = json.loads(exported.read_text())["attention"]
+    if "kind" in attention:  # another kind, at the trained window unless one is given
+        if attention["kind"] != "full" and "window" not in attention and trained["window"]:
+            attention = {**attention, "window": trained["window"]}
+            print(f"eval: window {trained['window']}, as {name} was trained (sa_export.json; attention.window=<w> "
+                  "sets another)", file=sys.stderr)
+        return attention
     attention = {**attention, "kind": trained["kind"], "window": attention.get("window", trained["window"])}
     print(f"eval: attention {trained['kind']} (w={attention['window']}), as {name} was trained (sa_export.json; "
           "attention.kind=<kind> sets another)", file=sys.stderr)
@@ -123,6 +138,7 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
 
     from data.shards import atomic_write_text
     from evaluation.runner import plan_tasks, skipped_line, task_names
+    from hf.attention import PrefillSettings
     from hf.lm_eval_runner import evaluate_hf, primary_scores
     from hf.patch import load_hf_model
     from model.config import ConfigError
@@ -140,7 +156,12 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
     first = int(attention.get("eval_seed", 0))
     seeds = list(range(first, first + num_seeds))
     window, backend = attention.get("window"), attention.get("backend", "auto")
-    try:  # one plan for all seeds, made before the (possibly large) model loads
+    try:  # the settings and one plan for all seeds, before the (possibly large) model loads
+        PrefillSettings(kind=kind, window=window, backend=backend)
+    except ValueError as err:
+        print(f"error: attention: {err} (attention.window=<w_eff>, attention.backend=<backend>)", file=sys.stderr)
+        sys.exit(2)
+    try:
         tasks = task_names(eval_cfg["tasks"])
         plan = plan_tasks(tasks, eval_cfg.get("data_dir"), eval_cfg.get("task_dir"))
     except ConfigError as err:

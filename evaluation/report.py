@@ -64,12 +64,24 @@ def extract(lm_eval_results: dict, tasks: list[str]) -> dict[str, dict[str, dict
         row = lm_eval_results.get("results", {}).get(task)
         if row is None:
             continue
-        metrics = METRICS.get(task) or tuple(k.split(",")[0] for k in row if "," in k and "_stderr" not in k)
-        for metric in metrics:
-            if f"{metric},none" in row:
-                out.setdefault(task, {})[metric] = {"value": _number(row[f"{metric},none"]),
-                                                     "stderr": _number(row.get(f"{metric}_stderr,none"))}
+        # (metric, filter): a task outside METRICS keeps every metric, under any filter (gsm8k reports
+        # "exact_match,strict-match"); its name carries the filter unless that is lm-eval's "none"
+        keys = [(m, "none") for m in METRICS[task]] if task in METRICS else [
+            tuple(k.split(",", 1)) for k in row if "," in k and "_stderr" not in k.split(",")[0]]
+        for metric, filt in keys:
+            if f"{metric},{filt}" in row:
+                name = metric if filt == "none" else f"{metric},{filt}"
+                out.setdefault(task, {})[name] = {"value": _number(row[f"{metric},{filt}"]),
+                                                   "stderr": _number(row.get(f"{metric}_stderr,{filt}"))}
     return out
+
+
+def fewshot_of(lm_eval_results: dict) -> int | dict[str, int]:
+    """The shots lm-eval ran with (each task config's num_fewshot; a task's YAML may set one): one number when the
+    tasks agree, else {task: shots}."""
+    shots = {task: int(c.get("num_fewshot") or 0) for task, c in (lm_eval_results.get("configs") or {}).items()}
+    values = set(shots.values()) or {0}
+    return values.pop() if len(values) == 1 else dict(sorted(shots.items()))
 
 
 def avg_accuracy(per_task: dict[str, dict[str, dict]]) -> tuple[float | None, list[str]]:

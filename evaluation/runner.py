@@ -206,7 +206,7 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
     import lm_eval
 
     from evaluation.lm import SALM
-    from evaluation.report import avg_accuracy, combine_seeds, extract, markdown_table
+    from evaluation.report import avg_accuracy, combine_seeds, extract, fewshot_of, markdown_table
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     cfg = {**DEFAULTS, **{k: v for k, v in dict(eval_cfg or {}).items()}}
@@ -217,7 +217,7 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
     plan = plan_tasks(tasks, cfg["data_dir"], cfg["task_dir"])  # before the model loads: it refuses bad names
 
     overrides = {k: v for k, v in dict(attention_overrides or {}).items() if v is not None}
-    lm_kwargs = dict(batch_size=int(cfg["batch_size"]), device=cfg["device"], dtype=cfg["dtype"] or "float32",
+    lm_kwargs = dict(batch_size=int(cfg["batch_size"]), device=cfg["device"], dtype=cfg["dtype"] if cfg["dtype"] not in (None, "auto") else "float32",
                      max_length=cfg["max_length"])
     if loaded is not None and overrides:
         raise ValueError("attention_overrides apply when the checkpoint is loaded here; pass loaded=None")
@@ -251,7 +251,7 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
     if plan.skipped:
         log(skipped_line(plan.skipped, cfg["data_dir"]))
 
-    per_seed, raw_dir, seconds = [], out_dir / "lm_eval", []
+    per_seed, raw_dir, seconds, shots = [], out_dir / "lm_eval", [], 0
     for seed in seeds if plan.run else []:
         lm.eval_seed = seed
         t0 = time.time()
@@ -261,6 +261,7 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         seconds.append(time.time() - t0)
         log(f"eval: seed {seed}: {len(plan.run)} task(s) in {seconds[-1]:.0f} s")
         per_seed.append(extract(results, plan.run))
+        shots = fewshot_of(results) if len(per_seed) == 1 else shots
         raw_dir.mkdir(exist_ok=True)
         from lm_eval.utils import handle_non_serializable
 
@@ -292,15 +293,16 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         "attention_overrides": overrides,
         "dtype": info["dtype"], "batch_size": lm.batch_size, "device": str(lm.device), "max_length": lm.max_length,
         "n_parameters": info["n_parameters"], "seeds": seeds, "limit": cfg["limit"],
-        "bootstrap_iters": int(cfg["bootstrap_iters"]), "num_fewshot": 0, "data_dir": cfg["data_dir"],
+        "bootstrap_iters": int(cfg["bootstrap_iters"]), "num_fewshot": shots, "data_dir": cfg["data_dir"],
         "data": plan.source, "skipped": plan.skipped, "notes": notes,
         "results": [{"task": task, "metric": metric, **entry} for task, metrics in combined.items()
                     for metric, entry in metrics.items()],
         "avg_acc": avg_entry, "seconds_per_seed": seconds, "seconds_total": time.time() - started,
     }
     atomic_write_text(out_dir / "results.json", json.dumps(summary, indent=1))
-    footer = ["", f"Suite `{cfg['name']}` on `{info['checkpoint']}`; lm-eval {summary['lm_eval_version']}, 0-shot, "
-              f"{info['dtype']}, batch {lm.batch_size}, seeds {seeds}"
+    footer = ["", f"Suite `{cfg['name']}` on `{info['checkpoint']}`; lm-eval {summary['lm_eval_version']}, "
+              + (f"{shots}-shot, " if isinstance(shots, int) else "shots per task in results.json, ")
+              + f"{info['dtype']}, batch {lm.batch_size}, seeds {seeds}"
               + (f", limit {cfg['limit']}" if cfg["limit"] else "")
               + ". Accuracies in %; Avg = mean of the accuracy columns"
               + (f" ({', '.join(avg_entry['tasks'])})" if avg_entry else "") + "."]

@@ -74,8 +74,11 @@ def export(ckpt: str | Path, out: str | Path) -> Path:
     if missing or unexpected:
         raise RuntimeError(f"parameter names do not map onto Llama: missing {missing}, unexpected {unexpected}")
     eos = loaded.tokenizer.id_to_token(loaded.eos_id)
+    # split_special_tokens (saved in tokenizer_config.json): a literal "<|endoftext|>" in text is text, as in the
+    # shards the model trained on; tokenizers' own encode_special_tokens flag is not saved
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=loaded.tokenizer, eos_token=eos, bos_token=eos,
-                                        pad_token=eos, model_max_length=model.cfg.max_seq_len)
+                                        pad_token=eos, model_max_length=model.cfg.max_seq_len,
+                                        split_special_tokens=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:

@@ -131,6 +131,9 @@ def load_hf_model(name_or_path: str, kind: str = "full", window: int | None = No
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # a kind without a window (or another bad setting) fails here, not after minutes of loading
+    PrefillSettings(kind=kind, window=None if window is None else int(window), seed=int(seed), backend=backend,
+                    moba_top_k=int(moba_top_k))
     register()
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_dtype(dtype), attn_implementation="sdpa",

@@ -64,7 +64,8 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
 
     ckpt_path = find_checkpoint(path)
     mtime_ns = ckpt_path.stat().st_mtime_ns  # before reading: a run that rewrites it meanwhile makes it stale
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    # mmap: only the tensors read are paged in (a training checkpoint is ~2/3 AdamW moments)
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     hp = ckpt["hyper_parameters"]
     attn = {**hp["attention"], **(attention or {})}
     model_cfg = {**hp["model"], **({"max_seq_len": int(context)} if context else {})}

@@ -620,6 +620,7 @@ def test_evaluate_checkpoint_writes_json_and_table_with_seed_spread(tiny_ckpt, e
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["seeds"] == [0, 1] and saved["attention"]["window"] == 4 and saved["attention"]["kind"] == "sa"
     assert saved["lm_eval_version"] and saved["dtype"] == "float32" and saved["batch_size"] == 4
+    assert saved["num_fewshot"] == 0  # read from lm-eval's task configs, which say what ran
     assert saved["checkpoint"] == str(tiny_ckpt)
     # which file was scored, and at which attention it was trained: tools.runs tells stale and window-swept results
     assert saved["checkpoint_step"] == 12 and saved["checkpoint_mtime_ns"] == tiny_ckpt.stat().st_mtime_ns
@@ -632,6 +633,7 @@ def test_evaluate_checkpoint_writes_json_and_table_with_seed_spread(tiny_ckpt, e
     assert table.splitlines()[0].startswith("| Model | Wiki ppl ↓ | LMB ppl ↓ | LMB acc ↑ |")
     assert "Avg ↑" in table.splitlines()[0] and "±" in table
     assert "| sa (w=4) [trained sa (w=8)] |" in table  # scored at another window than it was trained with
+    assert ", 0-shot, float32," in table
     assert (tmp_path / "out" / "lm_eval" / "seed1.json").is_file()
     assert summary["avg_acc"]["tasks"] == ["lambada_openai/acc", "lambada_standard/acc", "piqa/acc_norm",
                                            "hellaswag/acc_norm"]
@@ -814,3 +816,41 @@ def test_hub_tasks_are_skipped_up_front_only_where_the_hub_would_be_retried(monk
     monkeypatch.delenv("HF_DATASETS_OFFLINE")
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
     assert not runner._hub_unreachable()
+
+
+def test_metrics_under_a_filter_and_the_shots_are_reported_as_lm_eval_ran_them():
+    """A task outside the paper's columns keeps its metrics under lm-eval's filters (gsm8k: "exact_match,strict-match"
+    and "exact_match,flexible-extract"; they were dropped for want of ",none"); a task's YAML may set its own shots."""
+    from evaluation.report import extract, fewshot_of
+
+    results = {"results": {
+        "gsm8k": {"alias": "gsm8k", "exact_match,strict-match": 0.25, "exact_match_stderr,strict-match": 0.01,
+                  "exact_match,flexible-extract": 0.5, "exact_match_stderr,flexible-extract": 0.02},
+        "piqa": {"acc,none": 0.6, "acc_stderr,none": 0.01, "acc_norm,none": 0.7, "acc_norm_stderr,none": 0.01}},
+        "configs": {"gsm8k": {"num_fewshot": 5}, "piqa": {"num_fewshot": 0}}}
+    got = extract(results, ["gsm8k", "piqa"])
+    assert got["gsm8k"] == {"exact_match,strict-match": {"value": 0.25, "stderr": 0.01},
+                            "exact_match,flexible-extract": {"value": 0.5, "stderr": 0.02}}
+    assert got["piqa"]["acc_norm"] == {"value": 0.7, "stderr": 0.01}
+    assert fewshot_of(results) == {"gsm8k": 5, "piqa": 0}
+    assert fewshot_of({"configs": {"piqa": {"num_fewshot": 0}, "boolq": {}}}) == 0 == fewshot_of({})
+
+
+@pytest.mark.parametrize(("key", "value", "hf", "ok"), [
+    ("batch_size", "auto", False, False),  # a checkpoint's batches are ours: a number
+    ("batch_size", "auto", True, True),  # HFLM finds one
+    ("batch_size", 0, False, False),
+    ("batch_size", "8", False, False),
+    ("dtype", "auto", False, True),  # the model's own, as null
+    ("dtype", "half", True, False),
+])
+def test_eval_settings_are_checked_before_a_model_loads(key, value, hf, ok):
+    from evaluate import _check_eval_config
+    from model.config import ConfigError
+
+    cfg = {"batch_size": 16, "dtype": None, key: value}
+    if ok:
+        _check_eval_config(cfg, hf=hf)
+    else:
+        with pytest.raises(ConfigError, match=f"eval.{key}"):
+            _check_eval_config(cfg, hf=hf)

@@ -508,6 +508,9 @@ def test_an_exported_checkpoint_gives_the_trained_models_logits(tiny_ckpt, tmp_p
     for kind in ("full", "sa"):
         model, tokenizer = load_hf_model(str(out), kind=kind, window=8, dtype="float32", device="cpu")
         assert tokenizer(" value").input_ids == ours.tokenizer.encode(" value").ids
+        literal = "the end <|endoftext|> of text"  # text, as in the shards, not the EOS token
+        assert tokenizer(literal).input_ids == ours.tokenizer.encode(literal).ids
+        assert ours.eos_id not in tokenizer(literal).input_ids
         reference = load_checkpoint(tiny_ckpt, attention={"kind": kind}).model
         with torch.no_grad():
             assert torch.allclose(model(tokens).logits, reference(tokens), atol=1e-5), kind
@@ -522,6 +525,9 @@ def test_an_exported_checkpoint_gives_the_trained_models_logits(tiny_ckpt, tmp_p
     assert exported_attention(str(out), {}) == {"kind": "sa", "window": 8}  # evaluate.py model.hf=<out>: as trained
     assert exported_attention(str(out), {"window": 16}) == {"kind": "sa", "window": 16}
     assert exported_attention(str(out), {"kind": "full"}) == {"kind": "full"}
+    assert exported_attention(str(out), {"kind": "swa"}) == {"kind": "swa", "window": 8}  # at the trained window
+    with pytest.raises(ValueError, match="needs window"):  # before the model loads (a folder that is none here)
+        load_hf_model(str(tmp_path / "no_model_here"), kind="sa", window=None)
 
 
 def test_gated_checkpoints_are_not_exported(tmp_path, corpus_file, data_cache):
