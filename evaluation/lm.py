@@ -53,8 +53,9 @@ class SALM(TemplateLM):
 
     model_args: checkpoint=<.ckpt or run dir> (required unless `loaded` is given), kind, window, backend, eval_seed
     (override the trained attention config), batch_size, device (auto|cpu|cuda[:i]), max_length (default: the
-    trained context; longer evaluates past it, shorter in windows of that length), dtype (float32 | bfloat16 | float16; default float32; half precision runs as training's bf16-mixed
-    did: fp32 weights, matmuls under autocast, so the model is never cast).
+    trained context; longer evaluates past it, shorter in windows of that length), dtype (float32 | bfloat16 |
+    float16; default float32; half precision runs as training's bf16-mixed did: fp32 weights, matmuls under
+    autocast, so the model is never cast).
     """
 
     @classmethod

@@ -217,8 +217,8 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
     plan = plan_tasks(tasks, cfg["data_dir"], cfg["task_dir"])  # before the model loads: it refuses bad names
 
     overrides = {k: v for k, v in dict(attention_overrides or {}).items() if v is not None}
-    lm_kwargs = dict(batch_size=int(cfg["batch_size"]), device=cfg["device"], dtype=cfg["dtype"] if cfg["dtype"] not in (None, "auto") else "float32",
-                     max_length=cfg["max_length"])
+    dtype = cfg["dtype"] if cfg["dtype"] not in (None, "auto") else "float32"  # a checkpoint's own: fp32 weights
+    lm_kwargs = dict(batch_size=int(cfg["batch_size"]), device=cfg["device"], dtype=dtype, max_length=cfg["max_length"])
     if loaded is not None and overrides:
         raise ValueError("attention_overrides apply when the checkpoint is loaded here; pass loaded=None")
     if loaded is not None:
