@@ -424,7 +424,8 @@ def _init_weights(module, init: str, tokenizer_json: str, console) -> None:
         raise ConfigError("data.tokenizer.path", "this run's", f"init_from={init} was trained with another "
                           "tokenizer; leave data.tokenizer.path null (the data is then tokenized with the "
                           "checkpoint's) or give the tokenizer.json it was trained with")
-    module.hparams["init_from"] = {"checkpoint": init, "step": loaded["step"], "attention": loaded["attention"]}
+    module.hparams["init_from"] = {"checkpoint": init, "step": loaded["step"], "attention": loaded["attention"],
+                                   "tokens": loaded["tokens"]}
     trained = loaded["attention"]
     note = ("; the gates start at 0.5" if loaded["new_gates"] else
             "; its gates are dropped" if loaded["dropped_gates"] else "")
@@ -580,6 +581,11 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
         console.print(f"[bold]model[/]: {n_params / 1e6:.2f}M parameters "
                       f"({module.model.num_parameters(non_embedding=True) / 1e6:.2f}M non-embedding), "
                       f"attention={attn_cfg.kind} window={attn_cfg.window} backend={attn_cfg.backend}")
+        if ckpt is not None and "sampling" not in (source["hyper_parameters"].get("data") or {}):
+            # its data stream was drawn with replacement: a resume continues that stream, not another one
+            module.hparams["data"]["sampling"] = "random"
+            console.print("[yellow]data.sampling[/]: random, as the checkpoint trained (it predates shuffled "
+                          "sampling, which a new run uses)")
         _check_against_checkpoints(module, source, ckpt is not None)  # before data work and config.yaml
 
     data = prepare(_data_config(cfg, source, console), cfg.data.cache_dir)
@@ -609,13 +615,22 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
         module.loss_after_id = _loss_token(module.loss_only_after, data.tokenizer_path, data.val_shard)
 
     max_steps = int(cfg.trainer.max_steps)
+    # an init_from run's data stream starts after the tokens its source trained on: it continues the pass, where a
+    # stream from the start would train again, in order, on the data its source began with
+    started = module.hparams.get("init_from") if init else (source or {}).get("hyper_parameters", {}).get("init_from")
+    sample_offset = int((started or {}).get("tokens") or 0) // int(cfg.data.seq_len)
+    if init and sample_offset:
+        console.print(f"[bold]init_from[/]: the data stream starts after the {started['tokens']:,} tokens the "
+                      f"checkpoint trained on ({sample_offset:,} windows of {int(cfg.data.seq_len)})")
     datamodule = TokenDataModule(data.train_shards, data.val_shard, seq_len=int(cfg.data.seq_len),
                                  batch_size=int(cfg.data.batch_size), seed=int(cfg.seed),
                                  val_windows=int(cfg.data.val_windows),
                                  val_batch_size=int(cfg.data.val_batch_size or cfg.data.batch_size),
                                  num_workers=int(cfg.data.num_workers), total_micro_batches=max_steps * accumulate,
                                  window_start=str(cfg.data.get("window_start", "any")),
-                                 eos_id=data.meta["tokenizer"]["eos_id"])
+                                 eos_id=data.meta["tokenizer"]["eos_id"],
+                                 sampling=str(module.hparams["data"].get("sampling", "shuffled")),
+                                 sample_offset=sample_offset)
 
     strategy = cfg.trainer.strategy
     if strategy == "fsdp":

@@ -73,6 +73,7 @@ def cache_key(cfg: dict) -> str:
 
 
 WINDOW_STARTS = ("any", "document")  # training and validation windows open at any token, or where a document begins
+SAMPLINGS = ("shuffled", "random")  # training windows: each once per pass in a seeded order, or independent draws
 
 
 def validate_data_config(cfg: dict) -> None:
@@ -86,6 +87,9 @@ def validate_data_config(cfg: dict) -> None:
     if cfg.get("window_start", "any") not in WINDOW_STARTS:
         raise ConfigError("data.window_start", cfg["window_start"],
                           "choose any (windows at any token) or document (windows open where a document begins)")
+    if cfg.get("sampling", "shuffled") not in SAMPLINGS:
+        raise ConfigError("data.sampling", cfg["sampling"], "choose shuffled (each training window once per pass "
+                          "over the corpus) or random (independent draws, with replacement)")
     after = cfg.get("loss_only_after")
     if after is not None and (not isinstance(after, str) or not after):
         raise ConfigError("data.loss_only_after", after,

@@ -116,7 +116,20 @@ def load_weights_into(model: Decoder, path: str | Path) -> dict:
         raise RuntimeError(f"{ckpt_path} does not fit the model: missing {missing}, unexpected {unexpected}")
     return {"checkpoint": str(ckpt_path), "step": ckpt.get("global_step"),
             "attention": dict(ckpt["hyper_parameters"].get("attention") or {}), "tokenizer": ckpt.get("tokenizer"),
-            "dropped_gates": bool(unexpected), "new_gates": bool(missing)}
+            "dropped_gates": bool(unexpected), "new_gates": bool(missing), "tokens": trained_tokens(ckpt)}
+
+
+def trained_tokens(ckpt: dict) -> int | None:
+    """Training tokens (targets) a checkpoint's run went through, counted from where its data stream began (an
+    init_from run's began after its source's): steps x ranks x accumulation x batch x seq_len. None for a checkpoint
+    that does not record its layout (an older one)."""
+    hp, layout = ckpt.get("hyper_parameters") or {}, ckpt.get("layout")
+    data = hp.get("data") or {}
+    if not layout or ckpt.get("global_step") is None or not data.get("batch_size") or not data.get("seq_len"):
+        return None
+    own = int(ckpt["global_step"]) * int(layout["world_size"]) * int(layout["accumulate_grad_batches"]) * \
+        int(data["batch_size"]) * int(data["seq_len"])
+    return own + int((hp.get("init_from") or {}).get("tokens") or 0)
 
 
 _STEP_FILE = re.compile(r"step(\d+)(?:-v(\d+))?\.ckpt")

@@ -54,6 +54,7 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("data.seq_len=0", "data.seq_len"),
         ("data.seq_len=-5", "data.seq_len"),
         ("data.window_start=middle", "data.window_start"),
+        ("data.sampling=epoch", "data.sampling"),
         ("data.loss_only_after=5", "data.loss_only_after"),
         ("model.max_seq_len=0", "model.max_seq_len"),
         ("data.source.paths=[/nonexistent/corpus.jsonl]", "data.source.paths"),

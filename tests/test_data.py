@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from data import shards
-from data.datamodule import FixedWindows, RandomWindows
+from data.datamodule import FixedWindows, TrainWindows
 from data.prepare import prepare
 from data.sources import embedded_documents, file_documents
 from data.tokenizer import load_tokenizer
@@ -288,17 +288,71 @@ def test_concurrent_prepare_waits_for_the_one_that_builds(tmp_path, corpus_file)
 
 def test_windows_are_deterministic_by_seed_index_rank(tmp_path, corpus_file):
     prepared = prepare(data_cfg([corpus_file]), tmp_path, progress=False)
-    ds = RandomWindows(prepared.train_shards, seq_len=32, batch_size=4, seed=0, rank=0, length=100)
+    ds = TrainWindows(prepared.train_shards, seq_len=32, batch_size=4, seed=0, rank=0, length=100)
     assert ds[5].shape == (4, 33)
-    assert (ds[5] == RandomWindows(prepared.train_shards, 32, 4, 0, 0, 100)[5]).all()
+    assert (ds[5] == TrainWindows(prepared.train_shards, 32, 4, 0, 0, 100)[5]).all()
     assert not (ds[5] == ds[6]).all()
-    assert not (ds[5] == RandomWindows(prepared.train_shards, 32, 4, 0, 1, 100)[5]).all()
+    assert not (ds[5] == TrainWindows(prepared.train_shards, 32, 4, 0, 1, 100)[5]).all()
     size = shards.read_shard(prepared.val_shard).size
     val = FixedWindows(prepared.val_shard, seq_len=32, max_windows=3)
     every = FixedWindows(prepared.val_shard, seq_len=32, max_windows=10**6)
     assert len(every) == (size - 1) // 32 > 3 and (every[1][0] == every[0][-1])  # consecutive: a shared boundary
     picked = [i * len(every) // 3 for i in range(3)]
     assert len(val) == 3 and all((val[i] == every[j]).all() for i, j in enumerate(picked))  # spread over the shard
+
+
+@pytest.mark.parametrize("start", ["any", "document"])
+def test_shuffled_windows_take_each_window_once_per_pass(tmp_path, start):
+    """Over the ranks and steps of a pass every window is drawn once (no gaps, no repeats); the next pass draws them
+    in another order and, for start="any", on a shifted grid. sampling="random" repeats windows within a pass."""
+    rng = np.random.default_rng(0)
+    eos, paths = 0, []
+    for s, length in enumerate((1000, 257, 77)):  # the last shard holds 2 windows of 33 and 10 tokens to spare
+        tokens = rng.integers(1, 500, length)
+        tokens[rng.choice(length, length // 20, replace=False)] = eos
+        paths.append(tmp_path / f"s{s}.bin")
+        shards.write_shard(paths[-1], tokens.astype(np.uint16))
+    data = [np.asarray(shards.read_shard(p)) for p in paths]
+    seq, batch, world = 32, 3, 2
+
+    def rows(ds_per_rank, micro_batches):  # (shard, offset) of every row of micro-batches 0.., in sample order
+        found = []
+        for i in range(micro_batches):
+            for ds in ds_per_rank:
+                for row in ds[i].numpy():
+                    hits = [(s, o) for s in range(len(data)) for o in range(data[s].size - seq)
+                            if (data[s][o : o + seq + 1] == row).all()]
+                    assert len(hits) == 1
+                    found.append(hits[0])
+        return found
+
+    kw = dict(start=start, eos_id=eos)
+    ranks = [TrainWindows(paths, seq, batch, seed=1, rank=r, length=10**6, world=world, **kw) for r in range(world)]
+    total = int(ranks[0].cum[-1])
+    assert total == (sum((d.size - 1) // seq for d in data) if start == "any" else
+                     sum(len(o) for o in ranks[0].offsets))
+    steps = -(-2 * total // (world * batch)) + 1  # a little more than two passes
+    drawn = rows(ranks, steps)
+    first, second = drawn[:total], drawn[total: 2 * total]
+    assert len(set(first)) == total and len(set(second)) == total  # each window once per pass
+    assert first != second  # another order ...
+    if start == "any":  # ... on a grid whose phase moved in some shard (a shard's offsets keep one residue)
+        assert {(s, o % seq) for s, o in first} != {(s, o % seq) for s, o in second}
+        assert len({o % seq for s, o in first if s == 0}) == 1
+    # sample t of the run is the same, whatever the world size that reads it
+    alone = TrainWindows(paths, seq, world * batch, seed=1, rank=0, length=10**6, **kw)
+    assert rows([alone], steps) == drawn
+    # init_from: an offset of k samples continues the stream k samples on
+    later = TrainWindows(paths, seq, batch, seed=1, rank=0, length=10**6, offset=5 * world * batch, **kw)
+    assert (later[0] == ranks[0][5]).all()
+    random = TrainWindows(paths, seq, batch, seed=1, rank=0, length=10**6, sampling="random", **kw)
+    drawn = rows([random], -(-total // batch))
+    if start == "document":
+        assert len(set(drawn)) < total  # with replacement: repeats within a pass' worth, and gaps
+    else:
+        assert len({o % seq for s, o in drawn if s == 0}) > 1  # any offset, off a grid
+    with pytest.raises(ValueError, match="sampling"):
+        TrainWindows(paths, seq, batch, 0, 0, 10, sampling="epoch", **kw)
 
 
 def test_document_windows_open_where_a_document_begins(tmp_path):
@@ -312,7 +366,7 @@ def test_document_windows_open_where_a_document_begins(tmp_path):
             tokens += list(rng.integers(1, 500, length)) + [eos]
         paths.append(tmp_path / f"s{s}.bin")
         shards.write_shard(paths[-1], np.array(tokens, dtype=np.uint16))
-    ds = RandomWindows(paths, seq_len=24, batch_size=16, seed=3, rank=0, length=50, start="document", eos_id=eos)
+    ds = TrainWindows(paths, seq_len=24, batch_size=16, seed=3, rank=0, length=50, start="document", eos_id=eos)
     data = [shards.read_shard(p) for p in paths]
     seen = set()
     for i in range(50):
@@ -332,9 +386,9 @@ def test_document_windows_open_where_a_document_begins(tmp_path):
     with pytest.raises(ValueError, match="eos_id"):
         FixedWindows(paths[0], 24, 4, start="document")
     with pytest.raises(ValueError, match="eos_id"):
-        RandomWindows(paths, 24, 4, 0, 0, 10, start="document")
+        TrainWindows(paths, 24, 4, 0, 0, 10, start="document")
     with pytest.raises(ValueError, match="window start"):
-        RandomWindows(paths, 24, 4, 0, 0, 10, start="middle")
+        TrainWindows(paths, 24, 4, 0, 0, 10, start="middle")
 
 
 def test_existing_tokenizer_is_loaded(tmp_path, corpus_file):

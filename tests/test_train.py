@@ -84,6 +84,34 @@ def test_resumed_run_reproduces_uninterrupted_losses(tmp_path, corpus_file, data
             assert abs(logged["val/loss"][step] - full["val/loss"][step]) <= 1e-6, (stop, step)
 
 
+def test_a_checkpoint_from_before_shuffled_sampling_resumes_its_random_stream(tmp_path, corpus_file, data_cache,
+                                                                              capsys):
+    """A checkpoint without data.sampling drew its windows with replacement: its resume goes on drawing them so (the
+    losses of an uninterrupted sampling=random run), says so, and records it for the next resume."""
+    common = TINY + ["attention=sa", "attention.window=8", "optim.schedule_steps=4", "trainer.val_every_n_steps=4",
+                     "trainer.checkpoint_every_n_steps=2"]
+    full = read_metrics_after(compose_train(common + ["trainer.max_steps=4", "data.sampling=random"], tmp_path / "a",
+                                            corpus_file, data_cache))
+    shuffled = read_metrics_after(compose_train(common + ["trainer.max_steps=4"], tmp_path / "b", corpus_file,
+                                                data_cache))
+    assert shuffled["train/loss"][0] != full["train/loss"][0]  # the two streams differ
+    run = tmp_path / "old"
+    train(compose_train(common + ["trainer.max_steps=2", "data.sampling=random"], run, corpus_file, data_cache))
+    last = run / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(last, weights_only=True)
+    del ckpt["hyper_parameters"]["data"]["sampling"]  # as checkpoints were written before the key
+    torch.save(ckpt, last)
+    capsys.readouterr()
+    train(compose_train(common + ["trainer.max_steps=4", "resume=auto"], run, corpus_file, data_cache))
+    err = capsys.readouterr().err
+    assert "data.sampling: random, as the checkpoint trained" in err
+    assert "differs from the checkpoint" not in err  # the missing key is the old default, not a change
+    history = read_run_metrics(run / "metrics.csv")["train/loss"]
+    for step in (2, 3):
+        assert abs(history[step] - full["train/loss"][step]) <= 1e-6, step
+    assert torch.load(last, weights_only=True)["hyper_parameters"]["data"]["sampling"] == "random"
+
+
 def test_a_run_started_from_another_runs_checkpoint_keeps_its_own_history(tmp_path, corpus_file, data_cache):
     common = TINY + ["attention=sa", "attention.window=8", "optim.schedule_steps=4", "trainer.val_every_n_steps=2"]
     train(compose_train(common + ["trainer.max_steps=2"], tmp_path / "first", corpus_file, data_cache))
@@ -294,6 +322,10 @@ def test_init_from_starts_a_new_run_from_another_runs_weights(tmp_path, corpus_f
     assert sorted(rates) == [0, 1] and rates[0] == pytest.approx(3e-3 / 2)  # step 0, the schedule's warmup anew
     saved = torch.load(tmp_path / "same" / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 2 and saved["hyper_parameters"]["init_from"]["step"] == 4
+    # its data stream starts after the source's tokens (4 steps of 4 x seq_len), instead of replaying them in order
+    data = saved["hyper_parameters"]["data"]
+    assert saved["hyper_parameters"]["init_from"]["tokens"] == 4 * data["batch_size"] * data["seq_len"]
+    assert "the data stream starts after the" in capsys.readouterr().err
     # SA weights start a gated SA+SWA model: its gates open at 0.5; resumed, the run continues from its own checkpoint
     gated = tmp_path / "gated"
     train(compose_train(common + ["attention=gated_sa_swa", "trainer.max_steps=2", f"init_from={source}"], gated,
