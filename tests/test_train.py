@@ -1039,3 +1039,16 @@ def test_rank_zero_is_read_from_the_launchers_variables(env, zero, monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert _is_global_zero_from_env() is zero
+
+
+def test_fsdp_keeps_the_numerics_of_ddp_under_mixed_precision():
+    """bf16-mixed under FSDP gathers fp32 weights and reduces fp32 gradients, as DDP keeps them (Lightning's default
+    gathers bf16 weights: a bf16 residual stream); a -true precision keeps Lightning's own config."""
+    from omegaconf import OmegaConf
+
+    from train import _fsdp_strategy
+
+    cfg = OmegaConf.create({"trainer": {"activation_checkpointing": False}})
+    mp = _fsdp_strategy(cfg, "bf16-mixed").mixed_precision_config
+    assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == (torch.float32,) * 3
+    assert _fsdp_strategy(cfg, "bf16-true").mixed_precision is None
