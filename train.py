@@ -24,7 +24,7 @@ OmegaConf.register_new_resolver("steps", lambda tokens, per: max(1, int(float(to
 def check_config(cfg: DictConfig):
     """Validate everything cheap to check before any work; raises ConfigError naming the key."""
     from data.prepare import validate_data_config
-    from model.config import AttentionConfig, ConfigError, ModelConfig, from_mapping
+    from model.config import AttentionConfig, ConfigError, ModelConfig, _is_int, from_mapping
 
     model_cfg = from_mapping(ModelConfig, cfg.model, "model")
     attn_cfg = from_mapping(AttentionConfig, cfg.attention, "attention")
@@ -33,14 +33,16 @@ def check_config(cfg: DictConfig):
     if cfg.data.seq_len > model_cfg.max_seq_len:
         raise ConfigError("data.seq_len", cfg.data.seq_len, f"must be <= model.max_seq_len={model_cfg.max_seq_len}")
     for key in ("max_steps", "val_every_n_steps", "checkpoint_every_n_steps", "accumulate_grad_batches"):
-        if int(cfg.trainer[key]) < 1:
+        if not _is_int(cfg.trainer[key]) or cfg.trainer[key] < 1:  # 2.5 would be cut to 2 in silence
             raise ConfigError(f"trainer.{key}", cfg.trainer[key], "must be a positive integer")
     for key in ("batch_size", "val_windows"):
-        if int(cfg.data[key]) < 1:
+        if not _is_int(cfg.data[key]) or cfg.data[key] < 1:
             raise ConfigError(f"data.{key}", cfg.data[key], "must be a positive integer")
-    if cfg.data.get("val_batch_size") is not None and int(cfg.data.val_batch_size) < 1:
-        raise ConfigError("data.val_batch_size", cfg.data.val_batch_size, "must be a positive integer (or null: "
-                          "data.batch_size)")
+    val_batch = cfg.data.get("val_batch_size")
+    if val_batch is not None and (not _is_int(val_batch) or val_batch < 1):
+        raise ConfigError("data.val_batch_size", val_batch, "must be a positive integer (or null: data.batch_size)")
+    if not _is_int(cfg.data.get("num_workers", 0)) or cfg.data.get("num_workers", 0) < 0:
+        raise ConfigError("data.num_workers", cfg.data.num_workers, "DataLoader worker processes, an integer >= 0")
     _check_trainer_and_optim(cfg)
     if cfg.get("eval") and cfg.eval.get("after_train"):  # a misspelled task would fail only after training
         from evaluation.runner import check_task_names
@@ -94,7 +96,7 @@ def _device_count(devices, use_cuda: bool) -> int:
 
 def _check_trainer_and_optim(cfg: DictConfig):
     """What L.Trainer and AdamW would only refuse after data preparation (hours for a large corpus)."""
-    from model.config import ConfigError
+    from model.config import ConfigError, _is_int
 
     t, o = cfg.trainer, cfg.optim
     if str(t.precision) not in PRECISIONS:
@@ -127,7 +129,7 @@ def _check_trainer_and_optim(cfg: DictConfig):
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
         raise ConfigError("trainer.loss_chunk_tokens", chunk, "the loss over chunks of this many tokens, an integer "
                           ">= 0 (0: the whole micro-batch at once); e.g. 8192")
-    if int(t.num_nodes) < 1:
+    if not _is_int(t.num_nodes) or t.num_nodes < 1:
         raise ConfigError("trainer.num_nodes", t.num_nodes, "must be a positive integer")
     keep = t.get("keep_checkpoints")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
@@ -137,14 +139,17 @@ def _check_trainer_and_optim(cfg: DictConfig):
         raise ConfigError("trainer.keep_weights", t.keep_weights, "true or false")
     if not cfg.get("prepare_only"):
         _check_cpu_training(cfg)
-    if not float(o.lr) > 0:
-        raise ConfigError("optim.lr", o.lr, "must be positive")
-    if float(o.weight_decay) < 0:
-        raise ConfigError("optim.weight_decay", o.weight_decay, "must be >= 0")
-    if len(o.betas) != 2 or not all(0 <= float(b) < 1 for b in o.betas):
+    # a NaN passes every comparison's "not" and an inf every lower bound: each must be a finite number
+    if not _finite(o.lr) or not o.lr > 0:
+        raise ConfigError("optim.lr", o.lr, "must be a positive number")
+    if not _finite(o.weight_decay) or o.weight_decay < 0:
+        raise ConfigError("optim.weight_decay", o.weight_decay, "must be a number >= 0")
+    if not _finite(o.get("eps", 1e-8)) or not o.get("eps", 1e-8) > 0:
+        raise ConfigError("optim.eps", o.eps, "AdamW's epsilon, a small positive number, e.g. 1e-8")
+    if len(o.betas) != 2 or not all(_finite(b) and 0 <= b < 1 for b in o.betas):
         raise ConfigError("optim.betas", list(o.betas), "two numbers in [0, 1), e.g. [0.9, 0.95]")
-    if int(o.warmup_steps) < 0:
-        raise ConfigError("optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    if not _is_int(o.warmup_steps) or o.warmup_steps < 0:  # a fraction overshot the peak rate (2.5: 1.2x)
+        raise ConfigError("optim.warmup_steps", o.warmup_steps, "a whole number of steps >= 0")
     steps = o.get("schedule_steps")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ConfigError("optim.schedule_steps", steps, "a positive number of steps (or null: trainer.max_steps)")
@@ -159,12 +164,24 @@ def _check_trainer_and_optim(cfg: DictConfig):
     fraction = o.get("decay_fraction", 0.2)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ConfigError("optim.decay_fraction", fraction, "a share of the schedule's steps in (0, 1], e.g. 0.2")
-    if not 0 <= float(o.min_lr_ratio) <= 1:
+    if not _finite(o.min_lr_ratio) or not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError("optim.min_lr_ratio", o.min_lr_ratio, "must lie in [0, 1] (a fraction of optim.lr)")
-    if o.get("grad_clip") is not None and float(o.grad_clip) < 0:
-        raise ConfigError("optim.grad_clip", o.grad_clip, "must be >= 0 (0 or null: no clipping)")
-    if o.get("tokens_per_step") is not None and int(o.tokens_per_step) < 1:
-        raise ConfigError("optim.tokens_per_step", o.tokens_per_step, "must be a positive integer (or null)")
+    if o.get("grad_clip") is not None and (not _finite(o.grad_clip) or o.grad_clip < 0):
+        raise ConfigError("optim.grad_clip", o.grad_clip, "must be a number >= 0 (0 or null: no clipping)")
+    tokens = o.get("tokens_per_step")
+    if tokens is not None and (not _is_int(tokens) or tokens < 1):
+        raise ConfigError("optim.tokens_per_step", tokens, "must be a positive integer (or null)")
+    if tokens is not None and t.accumulate_grad_batches != 1:  # one would override the other in silence
+        raise ConfigError("trainer.accumulate_grad_batches", t.accumulate_grad_batches, "optim.tokens_per_step "
+                          "sets the accumulation (tokens_per_step / (batch x seq_len x devices)); give one of the two")
+
+
+def _finite(value) -> bool:
+    import math
+
+    from model.config import _is_number
+
+    return _is_number(value) and math.isfinite(value)
 
 
 def _check_cpu_training(cfg: DictConfig):

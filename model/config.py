@@ -72,8 +72,8 @@ class ModelConfig:
                 raise ConfigError(f"model.{key}", value, "a positive integer, or null for the default")
         for key in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, key)
-            if not _is_number(value) or not value > 0:
-                raise ConfigError(f"model.{key}", value, "must be a positive number")
+            if not _is_number(value) or not 0 < value < float("inf"):
+                raise ConfigError(f"model.{key}", value, "must be a positive (finite) number")
         if not isinstance(self.tie_embeddings, bool):
             raise ConfigError("model.tie_embeddings", self.tie_embeddings, "true or false")
         if self.n_kv_heads is None:

@@ -72,6 +72,17 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("optim.lr=0", "optim.lr"),
         ("optim.betas=[0.9]", "optim.betas"),
         ("optim.warmup_steps=-1", "optim.warmup_steps"),
+        ("optim.warmup_steps=2.5", "optim.warmup_steps"),  # a fractional warmup overshot the peak rate
+        ("optim.lr=inf", "optim.lr"),
+        ("optim.lr=nan", "optim.lr"),
+        ("optim.weight_decay=nan", "optim.weight_decay"),
+        ("optim.eps=0", "optim.eps"),
+        ("optim.grad_clip=nan", "optim.grad_clip"),
+        ("optim.tokens_per_step=2048 trainer.accumulate_grad_batches=3", "trainer.accumulate_grad_batches"),
+        ("data.batch_size=2.5", "data.batch_size"),  # cut to 2 in silence before
+        ("trainer.max_steps=10.5", "trainer.max_steps"),
+        ("data.num_workers=-1", "data.num_workers"),
+        ("model.init_std=inf", "model.init_std"),
         ("optim.min_lr_ratio=2", "optim.min_lr_ratio"),
         ("optim.schedule_steps=-5", "optim.schedule_steps"),
         ("optim.schedule=step", "optim.schedule"),
