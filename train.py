@@ -24,7 +24,7 @@ OmegaConf.register_new_resolver("steps", lambda tokens, per: max(1, int(float(to
 def check_config(cfg: DictConfig):
     """Validate everything cheap to check before any work; raises ConfigError naming the key."""
     from data.prepare import validate_data_config
-    from model.config import AttentionConfig, ConfigError, ModelConfig, _is_int, from_mapping
+    from model.config import AttentionConfig, ConfigError, ModelConfig, from_mapping
 
     model_cfg = from_mapping(ModelConfig, cfg.model, "model")
     attn_cfg = from_mapping(AttentionConfig, cfg.attention, "attention")
@@ -33,15 +33,15 @@ def check_config(cfg: DictConfig):
     if cfg.data.seq_len > model_cfg.max_seq_len:
         raise ConfigError("data.seq_len", cfg.data.seq_len, f"must be <= model.max_seq_len={model_cfg.max_seq_len}")
     for key in ("max_steps", "val_every_n_steps", "checkpoint_every_n_steps", "accumulate_grad_batches"):
-        if not _is_int(cfg.trainer[key]) or cfg.trainer[key] < 1:  # 2.5 would be cut to 2 in silence
+        if (_whole(cfg.trainer[key]) or 0) < 1:  # 2.5 would be cut to 2 in silence
             raise ConfigError(f"trainer.{key}", cfg.trainer[key], "must be a positive integer")
     for key in ("batch_size", "val_windows"):
-        if not _is_int(cfg.data[key]) or cfg.data[key] < 1:
+        if (_whole(cfg.data[key]) or 0) < 1:
             raise ConfigError(f"data.{key}", cfg.data[key], "must be a positive integer")
     val_batch = cfg.data.get("val_batch_size")
-    if val_batch is not None and (not _is_int(val_batch) or val_batch < 1):
+    if val_batch is not None and (_whole(val_batch) or 0) < 1:
         raise ConfigError("data.val_batch_size", val_batch, "must be a positive integer (or null: data.batch_size)")
-    if not _is_int(cfg.data.get("num_workers", 0)) or cfg.data.get("num_workers", 0) < 0:
+    if _whole(cfg.data.get("num_workers", 0)) is None or _whole(cfg.data.get("num_workers", 0)) < 0:
         raise ConfigError("data.num_workers", cfg.data.num_workers, "DataLoader worker processes, an integer >= 0")
     _check_trainer_and_optim(cfg)
     if cfg.get("eval") and cfg.eval.get("after_train"):  # a misspelled task would fail only after training
@@ -96,7 +96,7 @@ def _device_count(devices, use_cuda: bool) -> int:
 
 def _check_trainer_and_optim(cfg: DictConfig):
     """What L.Trainer and AdamW would only refuse after data preparation (hours for a large corpus)."""
-    from model.config import ConfigError, _is_int
+    from model.config import ConfigError
 
     t, o = cfg.trainer, cfg.optim
     if str(t.precision) not in PRECISIONS:
@@ -129,7 +129,7 @@ def _check_trainer_and_optim(cfg: DictConfig):
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
         raise ConfigError("trainer.loss_chunk_tokens", chunk, "the loss over chunks of this many tokens, an integer "
                           ">= 0 (0: the whole micro-batch at once); e.g. 8192")
-    if not _is_int(t.num_nodes) or t.num_nodes < 1:
+    if (_whole(t.num_nodes) or 0) < 1:
         raise ConfigError("trainer.num_nodes", t.num_nodes, "must be a positive integer")
     keep = t.get("keep_checkpoints")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
@@ -140,15 +140,15 @@ def _check_trainer_and_optim(cfg: DictConfig):
     if not cfg.get("prepare_only"):
         _check_cpu_training(cfg)
     # a NaN passes every comparison's "not" and an inf every lower bound: each must be a finite number
-    if not _finite(o.lr) or not o.lr > 0:
+    if not (_real(o.lr) or 0) > 0:
         raise ConfigError("optim.lr", o.lr, "must be a positive number")
-    if not _finite(o.weight_decay) or o.weight_decay < 0:
+    if _real(o.weight_decay) is None or _real(o.weight_decay) < 0:
         raise ConfigError("optim.weight_decay", o.weight_decay, "must be a number >= 0")
-    if not _finite(o.get("eps", 1e-8)) or not o.get("eps", 1e-8) > 0:
+    if not (_real(o.get("eps", 1e-8)) or 0) > 0:
         raise ConfigError("optim.eps", o.eps, "AdamW's epsilon, a small positive number, e.g. 1e-8")
-    if len(o.betas) != 2 or not all(_finite(b) and 0 <= b < 1 for b in o.betas):
+    if len(o.betas) != 2 or not all(_real(b) is not None and 0 <= _real(b) < 1 for b in o.betas):
         raise ConfigError("optim.betas", list(o.betas), "two numbers in [0, 1), e.g. [0.9, 0.95]")
-    if not _is_int(o.warmup_steps) or o.warmup_steps < 0:  # a fraction overshot the peak rate (2.5: 1.2x)
+    if _whole(o.warmup_steps) is None or _whole(o.warmup_steps) < 0:  # a fraction overshot the peak (2.5: 1.2x)
         raise ConfigError("optim.warmup_steps", o.warmup_steps, "a whole number of steps >= 0")
     steps = o.get("schedule_steps")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
@@ -164,24 +164,38 @@ def _check_trainer_and_optim(cfg: DictConfig):
     fraction = o.get("decay_fraction", 0.2)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ConfigError("optim.decay_fraction", fraction, "a share of the schedule's steps in (0, 1], e.g. 0.2")
-    if not _finite(o.min_lr_ratio) or not 0 <= o.min_lr_ratio <= 1:
+    if _real(o.min_lr_ratio) is None or not 0 <= _real(o.min_lr_ratio) <= 1:
         raise ConfigError("optim.min_lr_ratio", o.min_lr_ratio, "must lie in [0, 1] (a fraction of optim.lr)")
-    if o.get("grad_clip") is not None and (not _finite(o.grad_clip) or o.grad_clip < 0):
+    if o.get("grad_clip") is not None and (_real(o.grad_clip) is None or _real(o.grad_clip) < 0):
         raise ConfigError("optim.grad_clip", o.grad_clip, "must be a number >= 0 (0 or null: no clipping)")
     tokens = o.get("tokens_per_step")
-    if tokens is not None and (not _is_int(tokens) or tokens < 1):
+    if tokens is not None and (_whole(tokens) or 0) < 1:
         raise ConfigError("optim.tokens_per_step", tokens, "must be a positive integer (or null)")
-    if tokens is not None and t.accumulate_grad_batches != 1:  # one would override the other in silence
-        raise ConfigError("trainer.accumulate_grad_batches", t.accumulate_grad_batches, "optim.tokens_per_step "
-                          "sets the accumulation (tokens_per_step / (batch x seq_len x devices)); give one of the two")
 
 
-def _finite(value) -> bool:
+def _whole(value) -> int | None:
+    """An integer setting: an int, a float that is one (Hydra reads 1e3 as 1000.0) or a string of one
+    (${oc.env:...}); None for anything else (2.5 was cut to 2 in silence, True counted as 1)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _real(value) -> float | None:
+    """A finite number (or a string of one); None for nan, inf and anything else (nan passes every bound's `not`,
+    inf every lower bound)."""
     import math
 
-    from model.config import _is_number
-
-    return _is_number(value) and math.isfinite(value)
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _check_cpu_training(cfg: DictConfig):
@@ -221,6 +235,11 @@ def _accumulation(cfg: DictConfig, world: int) -> int:
         raise ConfigError("optim.tokens_per_step", cfg.optim.tokens_per_step,
                           f"must be a multiple of data.batch_size x data.seq_len x devices = {per_micro}; e.g. "
                           f"{max(1, round(int(cfg.optim.tokens_per_step) / per_micro)) * per_micro}")
+    given = int(cfg.trainer.accumulate_grad_batches)
+    if given not in (1, accumulate):  # 1 is the default; another value would be overridden in silence
+        raise ConfigError("trainer.accumulate_grad_batches", given, f"optim.tokens_per_step sets the accumulation "
+                          f"({cfg.optim.tokens_per_step} / (batch x seq_len x devices = {per_micro}) = {accumulate}); "
+                          "give one of the two")
     return accumulate
 
 
@@ -244,9 +263,14 @@ def _loss_token(text: str, tokenizer_path: Path, val_shard: Path) -> int:
     return token_id
 
 
+# Lightning's short names (Hydra passes 32 / 16 / 64 as ints)
+_PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
+
+
 def _precision(cfg, accelerator_is_cuda: bool) -> str:
-    if cfg.trainer.precision != "auto":
-        return cfg.trainer.precision
+    """trainer.precision by its full name; auto = bf16-mixed on CUDA, 32-true elsewhere."""
+    if str(cfg.trainer.precision) != "auto":
+        return _PRECISION_ALIASES.get(str(cfg.trainer.precision), str(cfg.trainer.precision))
     return "bf16-mixed" if accelerator_is_cuda else "32-true"
 
 
@@ -460,13 +484,52 @@ def _init_weights(module, init: str, tokenizer_json: str, console) -> None:
         raise ConfigError("data.tokenizer.path", "this run's", f"init_from={init} was trained with another "
                           "tokenizer; leave data.tokenizer.path null (the data is then tokenized with the "
                           "checkpoint's) or give the tokenizer.json it was trained with")
+    skipped, why = _continued_stream(module.hparams, loaded)
     module.hparams["init_from"] = {"checkpoint": init, "step": loaded["step"], "attention": loaded["attention"],
-                                   "tokens": loaded["tokens"]}
+                                   "samples_skipped": skipped}
+    console.print(f"[bold]init_from[/]: the data stream starts after the {skipped:,} windows the checkpoint trained "
+                  "on (the rest of its pass)" if skipped else f"[bold]init_from[/]: the data stream starts at its "
+                  f"beginning ({why})")
     trained = loaded["attention"]
     note = ("; the gates start at 0.5" if loaded["new_gates"] else
             "; its gates are dropped" if loaded["dropped_gates"] else "")
     console.print(f"[bold]init_from[/]: weights of {init} (step {loaded['step']}, trained as "
                   f"{trained.get('kind')} w={trained.get('window')}{note}); step 0, a fresh optimizer and schedule")
+
+
+# what makes two runs' training windows the same windows in the same order (data.tokenizer: init_from uses the
+# checkpoint's tokenizer, or refuses another)
+STREAM_KEYS = ("source", "val_fraction", "max_tokens", "seq_len", "window_start", "sampling")
+
+
+def _continued_stream(hparams, loaded: dict) -> tuple[int, str | None]:
+    """(samples to skip, why none): an init_from run on its source's stream (the same seed, corpus and windows, taken
+    once per pass) starts where the source stopped, instead of training again, in order, on the windows the source
+    began with. On another stream skipping would only cut the first pass short."""
+    source_data = {"sampling": "random", **(loaded["data"] or {})}  # no key: before data.sampling (with replacement)
+    if loaded["samples"] is None:
+        return 0, "the checkpoint does not record how its steps were cut"
+    if loaded["seed"] != hparams.get("seed"):
+        return 0, f"the checkpoint's seed {loaded['seed']} is not this run's"
+    differ = [k for k in STREAM_KEYS if source_data.get(k) != hparams["data"].get(k)]
+    if differ or hparams["data"].get("sampling") != "shuffled":
+        return 0, f"data.{(differ or ['sampling'])[0]} differs" if differ else "data.sampling=random"
+    return loaded["samples"], None
+
+
+def _resume_sampling(cfg, module, source: dict, overrides: list[str] | None, console) -> None:
+    """A resume draws its windows as its checkpoint did, unless this command line sets data.sampling: the default
+    changed to shuffled on 2026-12-02, and a run from before it (no key: with replacement) would switch streams."""
+    trained = (source["hyper_parameters"].get("data") or {}).get("sampling", "random")
+    asked = any(_override_key(o)[0] == "data.sampling" for o in overrides or [])
+    if trained == cfg.data.get("sampling") or asked:
+        return
+    OmegaConf.update(cfg, "data.sampling", trained, force_add=True)
+    module.hparams["data"]["sampling"] = trained
+    if overrides is not None:  # recorded with the run: its next resume composes it
+        overrides.append(f"data.sampling={trained}")
+    console.print(f"[yellow]data.sampling[/]: {trained}, as the checkpoint trained (data.sampling=<...> on the "
+                  "command line switches)")
 
 
 RUN_OVERRIDES = "overrides.yaml"  # the run's own record: Hydra's .hydra/overrides.yaml is rewritten at every start
@@ -617,11 +680,8 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
         console.print(f"[bold]model[/]: {n_params / 1e6:.2f}M parameters "
                       f"({module.model.num_parameters(non_embedding=True) / 1e6:.2f}M non-embedding), "
                       f"attention={attn_cfg.kind} window={attn_cfg.window} backend={attn_cfg.backend}")
-        if ckpt is not None and "sampling" not in (source["hyper_parameters"].get("data") or {}):
-            # its data stream was drawn with replacement: a resume continues that stream, not another one
-            module.hparams["data"]["sampling"] = "random"
-            console.print("[yellow]data.sampling[/]: random, as the checkpoint trained (it predates shuffled "
-                          "sampling, which a new run uses)")
+        if ckpt is not None:
+            _resume_sampling(cfg, module, source, overrides, console)
         _check_against_checkpoints(module, source, ckpt is not None)  # before data work and config.yaml
 
     data = prepare(_data_config(cfg, source, console), cfg.data.cache_dir)
@@ -651,13 +711,9 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
         module.loss_after_id = _loss_token(module.loss_only_after, data.tokenizer_path, data.val_shard)
 
     max_steps = int(cfg.trainer.max_steps)
-    # an init_from run's data stream starts after the tokens its source trained on: it continues the pass, where a
-    # stream from the start would train again, in order, on the data its source began with
+    # an init_from run may continue its source's data stream (_init_weights decides, the checkpoints record it)
     started = module.hparams.get("init_from") if init else (source or {}).get("hyper_parameters", {}).get("init_from")
-    sample_offset = int((started or {}).get("tokens") or 0) // int(cfg.data.seq_len)
-    if init and sample_offset:
-        console.print(f"[bold]init_from[/]: the data stream starts after the {started['tokens']:,} tokens the "
-                      f"checkpoint trained on ({sample_offset:,} windows of {int(cfg.data.seq_len)})")
+    sample_offset = int((started or {}).get("samples_skipped") or 0)
     datamodule = TokenDataModule(data.train_shards, data.val_shard, seq_len=int(cfg.data.seq_len),
                                  batch_size=int(cfg.data.batch_size), seed=int(cfg.seed),
                                  val_windows=int(cfg.data.val_windows),

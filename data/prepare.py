@@ -33,6 +33,12 @@ from model.config import ConfigError
 FORMAT_VERSION = 5
 
 
+def format_version(cfg: dict) -> int:
+    """The format a preparation of `cfg` writes: 4 and 5 differ only for a loaded tokenizer with a template, so the
+    shards of a trained tokenizer (no template) stay 4, and so do their caches (15B tokens need no re-tokenizing)."""
+    return FORMAT_VERSION if cfg["tokenizer"].get("path") else 4
+
+
 @dataclass
 class PreparedData:
     root: Path
@@ -68,7 +74,7 @@ def cache_key(cfg: dict) -> str:
     if tok.get("path"):
         tok["sha256"] = hashlib.sha256(Path(tok["path"]).read_bytes()).hexdigest()
     spec = {"source": source, "tokenizer": tok, "val_fraction": cfg["val_fraction"],
-            "max_tokens": cfg.get("max_tokens"), "version": FORMAT_VERSION}
+            "max_tokens": cfg.get("max_tokens"), "version": format_version(cfg)}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -194,11 +200,11 @@ def exclusive_lock(path: Path, waiting_message: str):
 PROGRESS = "progress.json"
 
 
-def _resumable(root: Path) -> dict | None:
+def _resumable(root: Path, version: int) -> dict | None:
     """The progress of an interrupted preparation in `root` whose files are all there, else None."""
     try:
         saved = json.loads((root / PROGRESS).read_text())
-        if saved.get("format_version") != FORMAT_VERSION:
+        if saved.get("format_version") != version:
             return None
         if tokenizer_hash(load_tokenizer(root / "tokenizer.json")) != saved["tokenizer_hash"]:
             return None
@@ -229,7 +235,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     start = time.time()
     docs = sources.documents(cfg["source"])
     max_tokens = cfg.get("max_tokens")
-    saved = _resumable(root)
+    saved = _resumable(root, format_version(cfg))
 
     tok_cfg = cfg["tokenizer"]
     if saved:
@@ -284,7 +290,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
                 val_buf.clear()
             # every document counted so far is in a written file: a preparation stopped from here resumes here
             shards.atomic_write_text(root / PROGRESS, json.dumps(
-                {"format_version": FORMAT_VERSION, "tokenizer_hash": tokenizer_hash(tok), "counts": counts,
+                {"format_version": format_version(cfg), "tokenizer_hash": tokenizer_hash(tok), "counts": counts,
                  "train_shards": train_names, "val_parts": val_parts, "last_train_tokens": last_train,
                  "seconds": elapsed()}))
 
@@ -334,7 +340,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
               file=sys.stderr)
     shards.write_shard(root / "val.bin", np.concatenate(val))
     meta = {
-        "format_version": FORMAT_VERSION,
+        "format_version": format_version(cfg),
         "source": cfg["source"],
         "tokenizer": {"hash": tokenizer_hash(tok), "vocab_size": tok.get_vocab_size(), "eos_id": eos,
                       "trained": not tok_cfg.get("path")},

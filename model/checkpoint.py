@@ -106,7 +106,8 @@ def load_weights_into(model: Decoder, path: str | Path) -> dict:
     """Copy a checkpoint's weights into `model` (train.py's init_from: a new run starts from them at step 0 with a
     fresh optimizer). The shapes must agree; the attention and the context may differ (RoPE tables are not saved):
     SA or SWA weights start a gated SA+SWA model with its gates at 0.5, a gated model's gates are dropped for a
-    plain one. Returns what was loaded: checkpoint, step, trained attention, tokenizer JSON, dropped gates."""
+    plain one. Returns what was loaded: checkpoint, step, trained attention, tokenizer JSON, dropped gates,
+    where its data stream stood (samples), its seed and data config."""
     ckpt_path = find_checkpoint(path)
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     check_same_shape(ckpt["hyper_parameters"]["model"], model.cfg, f"init_from={ckpt_path}")
@@ -116,20 +117,20 @@ def load_weights_into(model: Decoder, path: str | Path) -> dict:
         raise RuntimeError(f"{ckpt_path} does not fit the model: missing {missing}, unexpected {unexpected}")
     return {"checkpoint": str(ckpt_path), "step": ckpt.get("global_step"),
             "attention": dict(ckpt["hyper_parameters"].get("attention") or {}), "tokenizer": ckpt.get("tokenizer"),
-            "dropped_gates": bool(unexpected), "new_gates": bool(missing), "tokens": trained_tokens(ckpt)}
+            "dropped_gates": bool(unexpected), "new_gates": bool(missing), "samples": stream_position(ckpt),
+            "seed": ckpt["hyper_parameters"].get("seed"), "data": ckpt["hyper_parameters"].get("data")}
 
 
-def trained_tokens(ckpt: dict) -> int | None:
-    """Training tokens (targets) a checkpoint's run went through, counted from where its data stream began (an
-    init_from run's began after its source's): steps x ranks x accumulation x batch x seq_len. None for a checkpoint
-    that does not record its layout (an older one)."""
+def stream_position(ckpt: dict) -> int | None:
+    """Training samples (windows) of its data stream a checkpoint's run had reached: those it skipped at the start
+    (an init_from run that continued its source's stream) and steps x ranks x accumulation x batch. None for a
+    checkpoint that does not record its layout (an older one)."""
     hp, layout = ckpt.get("hyper_parameters") or {}, ckpt.get("layout")
-    data = hp.get("data") or {}
-    if not layout or ckpt.get("global_step") is None or not data.get("batch_size") or not data.get("seq_len"):
+    if not layout or ckpt.get("global_step") is None or not (hp.get("data") or {}).get("batch_size"):
         return None
     own = int(ckpt["global_step"]) * int(layout["world_size"]) * int(layout["accumulate_grad_batches"]) * \
-        int(data["batch_size"]) * int(data["seq_len"])
-    return own + int((hp.get("init_from") or {}).get("tokens") or 0)
+        int(hp["data"]["batch_size"])
+    return own + int((hp.get("init_from") or {}).get("samples_skipped") or 0)
 
 
 _STEP_FILE = re.compile(r"step(\d+)(?:-v(\d+))?\.ckpt")

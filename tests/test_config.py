@@ -78,9 +78,9 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("optim.weight_decay=nan", "optim.weight_decay"),
         ("optim.eps=0", "optim.eps"),
         ("optim.grad_clip=nan", "optim.grad_clip"),
-        ("optim.tokens_per_step=2048 trainer.accumulate_grad_batches=3", "trainer.accumulate_grad_batches"),
         ("data.batch_size=2.5", "data.batch_size"),  # cut to 2 in silence before
         ("trainer.max_steps=10.5", "trainer.max_steps"),
+        ("trainer.max_steps=true", "trainer.max_steps"),
         ("data.num_workers=-1", "data.num_workers"),
         ("model.init_std=inf", "model.init_std"),
         ("optim.min_lr_ratio=2", "optim.min_lr_ratio"),
@@ -146,6 +146,21 @@ def test_tokens_per_step_that_does_not_divide_is_refused_before_data_preparation
         train(cfg)
     assert err.value.key == "optim.tokens_per_step"
     assert not (tmp_path / "cache").exists()  # nothing was tokenized
+    # an accumulation it would override in silence (TINY: batch 4 x the tiny model's seq_len)
+    per_micro = 4 * int(cfg.data.seq_len)
+    cfg = compose_train(TINY + [f"optim.tokens_per_step={2 * per_micro}", "trainer.accumulate_grad_batches=3"],
+                        tmp_path / "run", corpus_file, tmp_path / "cache")
+    with pytest.raises(ConfigError, match="give one of the two") as err:
+        train(cfg)
+    assert err.value.key == "trainer.accumulate_grad_batches" and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("override", ["trainer.max_steps=1e3", "trainer.max_steps=${oc.env:SA_TEST_STEPS,100}",
+                                      "optim.warmup_steps=2.0", "trainer.precision=32"])
+def test_whole_numbers_in_other_spellings_are_accepted(override, tmp_path, corpus_file):
+    """1e3 comes from Hydra as 1000.0, an ${oc.env:...} as a string: both were accepted before the checks got
+    strict, and are whole numbers."""
+    check_config(compose_train(TINY + override.split(), tmp_path, corpus_file))
 
 
 def test_warmup_as_long_as_the_schedule_is_warned_about(tmp_path, corpus_file, capsys):

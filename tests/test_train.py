@@ -110,6 +110,16 @@ def test_a_checkpoint_from_before_shuffled_sampling_resumes_its_random_stream(tm
     for step in (2, 3):
         assert abs(history[step] - full["train/loss"][step]) <= 1e-6, step
     assert torch.load(last, weights_only=True)["hyper_parameters"]["data"]["sampling"] == "random"
+    # and so does the next resume (its checkpoint has the key now; the config's default is still shuffled)
+    more = common[:-1] + ["trainer.checkpoint_every_n_steps=3"]
+    full = read_metrics_after(compose_train(more + ["trainer.max_steps=6", "data.sampling=random"], tmp_path / "a6",
+                                            corpus_file, data_cache))
+    capsys.readouterr()
+    train(compose_train(more + ["trainer.max_steps=6", "resume=auto"], run, corpus_file, data_cache))
+    assert "data.sampling: random, as the checkpoint trained" in capsys.readouterr().err
+    history = read_run_metrics(run / "metrics.csv")["train/loss"]
+    for step in (4, 5):
+        assert abs(history[step] - full["train/loss"][step]) <= 1e-6, step
 
 
 def test_a_run_started_from_another_runs_checkpoint_keeps_its_own_history(tmp_path, corpus_file, data_cache):
@@ -322,10 +332,14 @@ def test_init_from_starts_a_new_run_from_another_runs_weights(tmp_path, corpus_f
     assert sorted(rates) == [0, 1] and rates[0] == pytest.approx(3e-3 / 2)  # step 0, the schedule's warmup anew
     saved = torch.load(tmp_path / "same" / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 2 and saved["hyper_parameters"]["init_from"]["step"] == 4
-    # its data stream starts after the source's tokens (4 steps of 4 x seq_len), instead of replaying them in order
-    data = saved["hyper_parameters"]["data"]
-    assert saved["hyper_parameters"]["init_from"]["tokens"] == 4 * data["batch_size"] * data["seq_len"]
-    assert "the data stream starts after the" in capsys.readouterr().err
+    # on the source's stream its data starts after the source's 4 steps of 4 windows, instead of replaying them
+    assert saved["hyper_parameters"]["init_from"]["samples_skipped"] == 4 * 4
+    assert "the data stream starts after the 16 windows the checkpoint trained on" in capsys.readouterr().err
+    train(compose_train(common + ["attention=sa", "trainer.max_steps=1", "seed=5", f"init_from={source}"],
+                        tmp_path / "seed5", corpus_file, data_cache))
+    assert "starts at its beginning (the checkpoint's seed 0 is not this run's)" in capsys.readouterr().err
+    assert torch.load(tmp_path / "seed5" / "checkpoints" / "last.ckpt",
+                      weights_only=True)["hyper_parameters"]["init_from"]["samples_skipped"] == 0  # another stream
     # SA weights start a gated SA+SWA model: its gates open at 0.5; resumed, the run continues from its own checkpoint
     gated = tmp_path / "gated"
     train(compose_train(common + ["attention=gated_sa_swa", "trainer.max_steps=2", f"init_from={source}"], gated,
@@ -1048,7 +1062,13 @@ def test_fsdp_keeps_the_numerics_of_ddp_under_mixed_precision():
 
     from train import _fsdp_strategy
 
+    from train import _precision
+
     cfg = OmegaConf.create({"trainer": {"activation_checkpointing": False}})
-    mp = _fsdp_strategy(cfg, "bf16-mixed").mixed_precision_config
-    assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == (torch.float32,) * 3
-    assert _fsdp_strategy(cfg, "bf16-true").mixed_precision is None
+    for precision in ("bf16-mixed", "bf16", "16", 16):  # Lightning's short names are mixed precisions
+        cfg.trainer.precision = precision
+        mp = _fsdp_strategy(cfg, _precision(cfg, True)).mixed_precision_config
+        assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == (torch.float32,) * 3, precision
+    for precision in ("bf16-true", 32, "64"):
+        cfg.trainer.precision = precision
+        assert _fsdp_strategy(cfg, _precision(cfg, True)).mixed_precision is None, precision
