@@ -41,17 +41,16 @@ def eval_out_dir(ckpt, out_dir, suite, stamp) -> str:
 OmegaConf.register_new_resolver("sa_eval_out_dir", eval_out_dir, replace=True)
 
 
-DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
-
-
 def _check_eval_config(eval_cfg: dict, hf: bool = False) -> None:
+    from evaluation.lm import DTYPES
     from model.config import ConfigError
 
     batch = eval_cfg.get("batch_size")
     if not (isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1) and not (hf and batch == "auto"):
         raise ConfigError("eval.batch_size", batch, "must be an integer >= 1" + (" or auto" if hf else ""))
     if eval_cfg.get("dtype") not in (None, "auto", *DTYPES):
-        raise ConfigError("eval.dtype", eval_cfg["dtype"], f"must be null (the model's own), auto or one of {DTYPES}")
+        raise ConfigError("eval.dtype", eval_cfg["dtype"], f"must be null (the model's own), auto or one of "
+                          f"{tuple(DTYPES)}")
 
     if eval_cfg.get("data_dir") and not Path(eval_cfg["data_dir"]).is_dir():
         raise ConfigError("eval.data_dir", eval_cfg["data_dir"], "no such folder (it holds the task files: "

@@ -41,7 +41,8 @@ def check_config(cfg: DictConfig):
     val_batch = cfg.data.get("val_batch_size")
     if val_batch is not None and (_whole(val_batch) or 0) < 1:
         raise ConfigError("data.val_batch_size", val_batch, "must be a positive integer (or null: data.batch_size)")
-    if _whole(cfg.data.get("num_workers", 0)) is None or _whole(cfg.data.get("num_workers", 0)) < 0:
+    workers = _whole(cfg.data.get("num_workers", 0))
+    if workers is None or workers < 0:
         raise ConfigError("data.num_workers", cfg.data.num_workers, "DataLoader worker processes, an integer >= 0")
     _check_trainer_and_optim(cfg)
     if cfg.get("eval") and cfg.eval.get("after_train"):  # a misspelled task would fail only after training
@@ -506,21 +507,27 @@ def _continued_stream(hparams, loaded: dict) -> tuple[int, str | None]:
     """(samples to skip, why none): an init_from run on its source's stream (the same seed, corpus and windows, taken
     once per pass) starts where the source stopped, instead of training again, in order, on the windows the source
     began with. On another stream skipping would only cut the first pass short."""
-    source_data = {"sampling": "random", **(loaded["data"] or {})}  # no key: before data.sampling (with replacement)
+    from model.lightning_module import DATA_DEFAULTS
+
+    source_data = {**DATA_DEFAULTS, **(loaded["data"] or {})}
     if loaded["samples"] is None:
         return 0, "the checkpoint does not record how its steps were cut"
     if loaded["seed"] != hparams.get("seed"):
         return 0, f"the checkpoint's seed {loaded['seed']} is not this run's"
     differ = [k for k in STREAM_KEYS if source_data.get(k) != hparams["data"].get(k)]
-    if differ or hparams["data"].get("sampling") != "shuffled":
-        return 0, f"data.{(differ or ['sampling'])[0]} differs" if differ else "data.sampling=random"
+    if differ:
+        return 0, f"data.{differ[0]} differs"
+    if hparams["data"].get("sampling") != "shuffled":
+        return 0, "data.sampling=random"
     return loaded["samples"], None
 
 
 def _resume_sampling(cfg, module, source: dict, overrides: list[str] | None, console) -> None:
     """A resume draws its windows as its checkpoint did, unless this command line sets data.sampling: the default
     changed to shuffled on 2026-12-02, and a run from before it (no key: with replacement) would switch streams."""
-    trained = (source["hyper_parameters"].get("data") or {}).get("sampling", "random")
+    from model.lightning_module import DATA_DEFAULTS
+
+    trained = {**DATA_DEFAULTS, **(source["hyper_parameters"].get("data") or {})}["sampling"]
     asked = any(_override_key(o)[0] == "data.sampling" for o in overrides or [])
     if trained == cfg.data.get("sampling") or asked:
         return

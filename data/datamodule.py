@@ -54,6 +54,8 @@ class TrainWindows(Dataset):
         _check_start(start, eos_id)
         if sampling not in SAMPLINGS:
             raise ValueError(f"sampling {sampling!r}: choose one of {SAMPLINGS}")
+        if offset and sampling != "shuffled":
+            raise ValueError("an offset into the data stream needs sampling='shuffled'")
         self.paths, self.seq_len, self.batch_size = [str(p) for p in shard_paths], seq_len, batch_size
         self.seed, self.rank, self.length, self.sampling = seed, rank, length, sampling
         self.world, self.offset = world, offset
@@ -89,28 +91,26 @@ class TrainWindows(Dataset):
             self._pass = (p, order.numpy(), phases)
         return self._pass
 
-    def _samples(self, i: int) -> list[tuple[int, int | None]]:
-        """(window number, grid phase of its shard or None) of each row of micro-batch i."""
+    def _samples(self, i: int) -> list[tuple[int, np.ndarray | None]]:
+        """(window number, the grid phases of its pass or None) of each row of micro-batch i."""
         if self.sampling == "random":
-            skipped = self.offset // (self.world * self.batch_size)  # init_from: micro-batches the source ran
-            gen = seeded_generator(self.seed, i + skipped, self.rank)
+            gen = seeded_generator(self.seed, i, self.rank)
             return [(int(j), None) for j in torch.randint(0, int(self.cum[-1]), (self.batch_size,), generator=gen)]
         first, total, rows = self.offset + (i * self.world + self.rank) * self.batch_size, int(self.cum[-1]), []
         for t in range(first, first + self.batch_size):
             _, order, phases = self._order(t // total)
-            j = int(order[t % total])
-            rows.append((j, None if phases is None else int(phases[np.searchsorted(self.cum, j, side="right")])))
+            rows.append((int(order[t % total]), phases))
         return rows
 
     def __getitem__(self, i: int) -> torch.Tensor:
         if self._shards is None:  # opened lazily, once per worker process
             self._shards = [read_shard(p) for p in self.paths]
         rows = []
-        for j, phase in self._samples(i):
+        for j, phases in self._samples(i):
             shard = int(np.searchsorted(self.cum, j, side="right"))
             k = j - int(self.cum[shard - 1] if shard else 0)  # the shard's k-th window
             offset = int(self.offsets[shard][k]) if self.offsets is not None else \
-                k if phase is None else phase + k * self.seq_len
+                k if phases is None else int(phases[shard]) + k * self.seq_len
             rows.append(np.asarray(self._shards[shard][offset : offset + self.seq_len + 1], dtype=np.int64))
         return torch.from_numpy(np.stack(rows))
 

@@ -66,6 +66,7 @@ SCHEDULES = ("cosine", "linear", "wsd", "constant")
 # optim keys added after the first checkpoints were written: an older checkpoint trained with these values
 OPTIM_DEFAULTS = {"schedule": "cosine", "decay_fraction": 0.2}
 DATA_DEFAULTS = {"sampling": "random"}  # what checkpoints from before data.sampling trained with
+_DEFAULTS = {"optim": OPTIM_DEFAULTS, "data": DATA_DEFAULTS}
 
 
 def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float, schedule: str = "cosine",
@@ -110,8 +111,7 @@ def _check_resumed_config(saved: dict, now: dict) -> None:
         if not saved.get(group):  # an older checkpoint without it: nothing to compare
             continue
         old, new = dict(saved[group]), dict(now.get(group) or {})
-        if group in ("optim", "data"):
-            old = {**(OPTIM_DEFAULTS if group == "optim" else DATA_DEFAULTS), **old}
+        old = {**_DEFAULTS.get(group, {}), **old}
         if group == "model":  # as built: n_kv_heads None is n_heads, ffn_hidden None its computed width
             old, new = asdict(ModelConfig(**old)), asdict(ModelConfig(**new))
         for key in sorted(set(old) | set(new)):
