@@ -138,6 +138,15 @@ _STEP_FILE = re.compile(r"step(\d+)(?:-v(\d+))?\.ckpt")
 TRAINING_STATE = ("optimizer_states", "lr_schedulers", "loops", "callbacks")
 
 
+def step_checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    """A run's step<N>.ckpt files, oldest first: by step, then version. ModelCheckpoint writes step<N>-v1.ckpt beside
+    an earlier history's step<N>.ckpt (a run continued from an older checkpoint of its own), and the -v1 is newer,
+    though it sorts first by name."""
+    found = sorted((int(m.group(1)), int(m.group(2) or 0), path) for path in Path(ckpt_dir).glob("step*.ckpt")
+                   if (m := _STEP_FILE.fullmatch(path.name)))
+    return [path for _, _, path in found]
+
+
 def prune_step_checkpoints(ckpt_dir: str | Path, keep: int, keep_weights: bool = True) -> list[Path]:
     """Delete all but the `keep` newest step<N>.ckpt files of a run (by step; last.ckpt is never touched). With
     keep_weights each one leaves weights/step<N>.pt behind: the checkpoint without its training state, which
@@ -145,12 +154,9 @@ def prune_step_checkpoints(ckpt_dir: str | Path, keep: int, keep_weights: bool =
     from data.shards import atomic_write
 
     ckpt_dir = Path(ckpt_dir)
-    # by step, then version: ModelCheckpoint writes step<N>-v1.ckpt beside an earlier history's step<N>.ckpt (a run
-    # continued from an older checkpoint of its own), and the newer one is the -v1
-    found = sorted((int(m.group(1)), int(m.group(2) or 0), path) for path in ckpt_dir.glob("step*.ckpt")
-                   if (m := _STEP_FILE.fullmatch(path.name)))
+    found = step_checkpoints(ckpt_dir)
     pruned = []
-    for _, _, path in found[: max(0, len(found) - keep)]:
+    for path in found[: max(0, len(found) - keep)]:
         if keep_weights:
             ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             weights = {k: v for k, v in ckpt.items() if k not in TRAINING_STATE}

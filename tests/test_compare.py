@@ -125,7 +125,8 @@ def test_compare_table_and_plots_from_real_runs(two_runs, tmp_path):
     assert (tmp_path / "cli" / "compare.md").is_file()
 
 
-def _fake_run(root, name, seed=0, kind="sa", window=8, max_steps=30, rows=(), lr=1e-3, evals=(), ckpts=("last",)):
+def _fake_run(root, name, seed=0, kind="sa", window=8, max_steps=30, rows=(), lr=1e-3, evals=(), ckpts=("last",),
+              trainer=None):
     """A run directory as train.py leaves it (config.yaml, metrics.csv, checkpoints/, eval/), without training."""
     run = root / name
     (run / "checkpoints").mkdir(parents=True)
@@ -135,7 +136,7 @@ def _fake_run(root, name, seed=0, kind="sa", window=8, max_steps=30, rows=(), lr
         "seed": seed, "task_name": "t", "run_name": name, "paths": {"run_dir": str(run)},
         "attention": {"kind": kind, "window": window}, "optim": {"lr": lr, "tokens_per_step": None},
         "trainer": {"max_steps": max_steps, "val_every_n_steps": 10, "log_every_n_steps": 10, "devices": 1,
-                    "num_nodes": 1, "accumulate_grad_batches": 1},
+                    "num_nodes": 1, "accumulate_grad_batches": 1, **(trainer or {})},
         "data": {"batch_size": 2, "seq_len": 16}}), run / "config.yaml")
     lines = ["epoch,step,train/loss,train/tokens,val/loss"] + [",".join(map(str, r)) for r in rows]
     (run / "metrics.csv").write_text("\n".join(lines) + "\n")
@@ -160,6 +161,43 @@ def test_runs_that_differ_beyond_the_seed_are_not_pooled(tmp_path):
     assert groups == {"sa w=8 (optim.lr=0.001, trainer.max_steps=30)": ["a", "b"],
                       "sa w=8 (optim.lr=0.001, trainer.max_steps=60)": ["c"],
                       "sa w=8 (optim.lr=0.003, trainer.max_steps=30)": ["d"]}  # run-local keys (paths) never split
+
+
+def test_seeds_that_differ_only_in_how_checkpoints_are_kept_or_shown_are_pooled(tmp_path):
+    from tools.compare import compare
+
+    rows = [(0, 9, 2.0, 320, ""), (0, 9, "", "", 2.1)]
+    for name, seed, trainer in (("a", 0, {"progress_bar": True, "keep_checkpoints": None}),
+                                ("b", 1, {"progress_bar": False, "keep_checkpoints": None}),
+                                ("c", 2, {"progress_bar": True, "keep_checkpoints": 3, "keep_weights": False})):
+        _fake_run(tmp_path, name, seed=seed, rows=rows, trainer=trainer)
+    groups = {r["group"] for r in compare([str(tmp_path)], tmp_path / "out", plots=False)["rows"]}
+    assert len(groups) == 1, groups
+
+
+def test_evals_of_a_run_copied_without_checkpoints_are_still_the_final_ones(tmp_path):
+    import shutil
+    import time
+
+    from tools.runs import read_evals
+
+    run = _fake_run(tmp_path, "r", evals=[("probes", "last.ckpt", 0.9)])
+    time.sleep(0.01)
+    _fake_run(tmp_path, "later", evals=[("probes_step280", "step0000280.ckpt", 0.2)])
+    shutil.move(tmp_path / "later" / "eval" / "probes_step280", run / "eval")  # newer, of an intermediate checkpoint
+    shutil.rmtree(run / "checkpoints")
+    assert read_evals(run) == {"probe_needle/acc": 0.9}
+
+
+def test_the_final_step_checkpoint_is_the_newest_version(tmp_path):
+    """Without last.ckpt the final checkpoint is the highest step, and of two step<N> files the -v1 (a later
+    history's), which sorts before step<N>.ckpt by name."""
+    from tools.runs import _final_checkpoint
+
+    (tmp_path / "checkpoints").mkdir()
+    for name in ("step0000090.ckpt", "step0000100.ckpt", "step0000100-v1.ckpt"):
+        (tmp_path / "checkpoints" / name).write_bytes(b"")
+    assert _final_checkpoint(tmp_path).name == "step0000100-v1.ckpt"
 
 
 def test_evals_of_the_final_checkpoint_only_newest_first(tmp_path, capsys):

@@ -38,7 +38,11 @@ def _final_checkpoint(run_dir: Path) -> Path | None:
     folder = run_dir / "checkpoints"
     if (folder / "last.ckpt").is_file():
         return folder / "last.ckpt"
-    steps = sorted(folder.glob("step*.ckpt")) if folder.is_dir() else []
+    if not folder.is_dir():
+        return None
+    from model.checkpoint import step_checkpoints
+
+    steps = step_checkpoints(folder)
     return steps[-1] if steps else None
 
 
@@ -69,6 +73,8 @@ def read_evals(run_dir: Path, trained_attention: dict | None = None, steps: int 
     winning where two give a metric; a warning names the files when their values differ. Results under another
     attention than the trained one are keyed apart: "probe_needle/acc [window=64]"."""
     final = _final_checkpoint(run_dir)
+    # a run folder copied without its checkpoints still ended with last.ckpt (train.py always writes one)
+    final_name = final.name if final is not None else "last.ckpt"
     found: list[tuple[float, Path, dict]] = []
     for path in sorted((run_dir / "eval").rglob("results.json")) if (run_dir / "eval").is_dir() else []:
         try:
@@ -77,7 +83,7 @@ def read_evals(run_dir: Path, trained_attention: dict | None = None, steps: int 
             print(f"warning: skipping unreadable {path}: {err}", file=sys.stderr)
             continue
         scored = data.get("checkpoint")
-        if final is not None and scored and Path(scored).name != final.name and Path(scored).name != "last.ckpt":
+        if scored and Path(scored).name not in (final_name, "last.ckpt"):
             continue  # an intermediate checkpoint's evaluation
         if _stale(data, final, steps):
             print(f"warning: {run_dir.name}: {path} scored an earlier {final.name} (step {data.get('checkpoint_step')})"
@@ -102,8 +108,8 @@ def read_evals(run_dir: Path, trained_attention: dict | None = None, steps: int 
 # only in these (and the seed) are seeds of one configuration.
 RUN_LOCAL_KEYS = ("seed", "run_name", "ckpt_path", "resume", "task_name", "paths", "logger", "eval", "hydra",
                   "attention.backend", "attention.eval_seed", "trainer.compile", "trainer.log_every_n_steps",
-                  "trainer.checkpoint_every_n_steps", "trainer.val_every_n_steps", "trainer.enable_progress_bar",
-                  "data.num_workers", "data.probes.file")
+                  "trainer.checkpoint_every_n_steps", "trainer.val_every_n_steps", "trainer.progress_bar",
+                  "trainer.keep_checkpoints", "trainer.keep_weights", "data.num_workers", "data.probes.file")
 
 
 def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
