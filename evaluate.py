@@ -105,13 +105,15 @@ def main(cfg: DictConfig):
 
 def exported_attention(name: str, attention: dict) -> dict:
     """A folder written by hf.export runs with the attention it was trained with unless attention.kind is given
-    (it would otherwise run as full attention, silently)."""
+    (it would otherwise run as full attention, silently), and with its eval_seed unless attention.eval_seed is."""
     import json
 
     exported = Path(name) / "sa_export.json"
     if not exported.is_file():
         return attention
     trained = json.loads(exported.read_text())["attention"]
+    if "eval_seed" not in attention and "eval_seed" in trained:  # SA's permutations: those of the trained model
+        attention = {**attention, "eval_seed": trained["eval_seed"]}
     if "kind" in attention:  # another kind, at the trained window unless one is given
         if attention["kind"] != "full" and "window" not in attention and trained["window"]:
             attention = {**attention, "window": trained["window"]}

@@ -6,8 +6,8 @@ the tokenizer (tokenizer.json, tokenizer_config.json), plus sa_export.json namin
 The decoder is Llama's architecture (RMSNorm, RoPE with the rotate-half convention, SwiGLU, GQA, optionally tied
 embeddings), so only the parameter names change. Full attention loads as it is (transformers, vLLM, lm-eval's `hf`
 model). SWA, SA and MoBA run through this repository's patch at prefill, which reproduces the trained model's
-logits (tests/test_hf.py): `hf.load_hf_model(<out>, kind="sa", window=<w>)`, or `python evaluate.py
-model.hf=<out> attention=sa attention.window=<w>`. Gated SA+SWA has gate parameters that Llama has no place for and
+logits (tests/test_hf.py): `hf.load_hf_model(<out>, kind="sa", window=<w>, seed=<eval_seed>)`, or `python
+evaluate.py model.hf=<out>`, which reads the trained attention and eval seed from sa_export.json. Gated SA+SWA has gate parameters that Llama has no place for and
 is refused.
 """
 
@@ -85,9 +85,10 @@ def export(ckpt: str | Path, out: str | Path) -> Path:
         llama.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         meta = {"checkpoint": str(loaded.checkpoint), "step": loaded.step,
-                "attention": {"kind": attn.kind, "window": attn.window},
-                "load": "full attention: as is; swa / sa / moba: hf.load_hf_model(folder, kind, window) or "
-                        "evaluate.py model.hf=<folder> attention=<kind> attention.window=<window>"}
+                # eval_seed: SA's evaluation permutations come from (eval_seed, layer), as in the trained model
+                "attention": {"kind": attn.kind, "window": attn.window, "eval_seed": attn.eval_seed},
+                "load": "full attention: as is; swa / sa / moba: hf.load_hf_model(folder, kind, window, seed=eval_seed)"
+                        " or evaluate.py model.hf=<folder> (the attention above unless attention.* sets another)"}
         (tmp / "sa_export.json").write_text(json.dumps(meta, indent=1) + "\n")
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the export from the rest of a team
         os.replace(tmp, out)

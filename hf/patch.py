@@ -13,6 +13,8 @@ Qwen3, Qwen3-MoE, Mistral without sliding window, ...).
 
 from __future__ import annotations
 
+import types
+
 from hf.attention import ATTN_NAME, PrefillSettings, sa_prefill_attention
 
 
@@ -70,25 +72,19 @@ def patch_model(model, kind: str, window: int | None = None, seed: int = 0, back
     if current != ATTN_NAME:  # re-patching keeps the implementation the model had before the first patch
         model._attn_before_sa_prefill = current or "sdpa"
     _set_attn_implementation(model, ATTN_NAME)
-    if "generate" not in vars(model):
-        model.generate = _generate_with_cache(model.generate)
+    # bound to the instance (not wrapping its bound generate), so that a copy of the model generates with itself
+    model.generate = types.MethodType(_generate_with_cache, model)
     return model
 
 
-def _generate_with_cache(generate):
+def _generate_with_cache(self, *args, **kwargs):
     """generate() of a patched model, with the KV cache required: without it every decoding step re-runs the whole
     sequence as a prefill, under the pattern and a fresh pi, where decoding is meant to be full attention."""
-    import functools
-
-    @functools.wraps(generate)
-    def wrapped(*args, **kwargs):
-        config = kwargs.get("generation_config") or getattr(generate.__self__, "generation_config", None)
-        if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
-            raise ValueError("hf.patch_model: generate(use_cache=False) would apply the prefill pattern to every "
-                             "decoding step; generate with the cache (decoding is full attention over it)")
-        return generate(*args, **kwargs)
-
-    return wrapped
+    config = kwargs.get("generation_config") or getattr(self, "generation_config", None)
+    if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
+        raise ValueError("hf.patch_model: generate(use_cache=False) would apply the prefill pattern to every "
+                         "decoding step; generate with the cache (decoding is full attention over it)")
+    return type(self).generate(self, *args, **kwargs)
 
 
 def unpatch_model(model, attn_implementation: str | None = None):

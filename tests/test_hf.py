@@ -262,6 +262,13 @@ def test_generation_without_the_cache_is_refused(tiny, ids):
     patch_model(tiny, "sa", 3)
     with pytest.raises(ValueError, match="use_cache=False"):
         tiny.generate(ids[:, :12], max_new_tokens=2, do_sample=False, use_cache=False)
+    import copy
+
+    twin = copy.deepcopy(tiny)  # generates with its own weights, not through the original's bound method
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(-1)
+    assert not torch.equal(twin.generate(ids[:, :12], max_new_tokens=4, do_sample=False),
+                           tiny.generate(ids[:, :12], max_new_tokens=4, do_sample=False))
     unpatch_model(tiny, "sdpa")
     tiny.generate(ids[:, :12], max_new_tokens=2, do_sample=False, use_cache=False)  # the model's own, unpatched
 
@@ -502,7 +509,7 @@ def test_an_exported_checkpoint_gives_the_trained_models_logits(tiny_ckpt, tmp_p
     from model.checkpoint import load_checkpoint
 
     out = export(tiny_ckpt, tmp_path / "export")
-    assert json.loads((out / "sa_export.json").read_text())["attention"] == {"kind": "sa", "window": 8}
+    assert json.loads((out / "sa_export.json").read_text())["attention"] == {"kind": "sa", "window": 8, "eval_seed": 0}
     ours = load_checkpoint(tiny_ckpt)
     tokens = torch.tensor([ours.tokenizer.encode("The value of the first argument is returned.").ids])
     for kind in ("full", "sa"):
@@ -522,12 +529,37 @@ def test_an_exported_checkpoint_gives_the_trained_models_logits(tiny_ckpt, tmp_p
         main([f"ckpt={tiny_ckpt}", f"out={out}"])
     from evaluate import exported_attention
 
-    assert exported_attention(str(out), {}) == {"kind": "sa", "window": 8}  # evaluate.py model.hf=<out>: as trained
-    assert exported_attention(str(out), {"window": 16}) == {"kind": "sa", "window": 16}
-    assert exported_attention(str(out), {"kind": "full"}) == {"kind": "full"}
-    assert exported_attention(str(out), {"kind": "swa"}) == {"kind": "swa", "window": 8}  # at the trained window
+    trained = {"eval_seed": 0}
+    assert exported_attention(str(out), {}) == {"kind": "sa", "window": 8, **trained}  # model.hf=<out>: as trained
+    assert exported_attention(str(out), {"window": 16}) == {"kind": "sa", "window": 16, **trained}
+    assert exported_attention(str(out), {"kind": "full"}) == {"kind": "full", **trained}
+    assert exported_attention(str(out), {"kind": "swa"}) == {"kind": "swa", "window": 8, **trained}  # trained window
+    assert exported_attention(str(out), {"eval_seed": 3}) == {"kind": "sa", "window": 8, "eval_seed": 3}
     with pytest.raises(ValueError, match="needs window"):  # before the model loads (a folder that is none here)
         load_hf_model(str(tmp_path / "no_model_here"), kind="sa", window=None)
+
+
+def test_an_export_keeps_the_eval_seed_of_its_sa_permutations(tiny_ckpt, tmp_path):
+    """An SA model trained with attention.eval_seed=5 scores with π from (5, layer); its export scored with seed 0
+    (load_hf_model's default, and what evaluate.py model.hf=<export> used) is another model."""
+    from evaluate import exported_attention
+    from hf.export import export
+    from model.checkpoint import load_checkpoint
+
+    ckpt = torch.load(tiny_ckpt, map_location="cpu", weights_only=True)
+    ckpt["hyper_parameters"]["attention"]["eval_seed"] = 5
+    torch.save(ckpt, tmp_path / "seed5.ckpt")
+    out = export(tmp_path / "seed5.ckpt", tmp_path / "export")
+    attention = exported_attention(str(out), {})
+    assert attention == {"kind": "sa", "window": 8, "eval_seed": 5}
+    ours = load_checkpoint(tmp_path / "seed5.ckpt").model
+    tokens = torch.randint(0, ours.cfg.vocab_size, (1, 40))
+    model, _ = load_hf_model(str(out), kind="sa", window=8, seed=attention["eval_seed"], dtype="float32",
+                             device="cpu")
+    other, _ = load_hf_model(str(out), kind="sa", window=8, seed=0, dtype="float32", device="cpu")
+    with torch.no_grad():
+        assert torch.allclose(model(tokens).logits, ours(tokens), atol=1e-5)
+        assert not torch.allclose(other(tokens).logits, ours(tokens), atol=1e-3)
 
 
 def test_gated_checkpoints_are_not_exported(tmp_path, corpus_file, data_cache):
