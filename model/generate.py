@@ -34,7 +34,8 @@ def generate(model, prompt: list[int], max_new_tokens: int, num_samples: int = 1
              top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
              generator: torch.Generator | None = None, autocast_dtype: torch.dtype | None = None) -> list[list[int]]:
     """`num_samples` continuations of `prompt` (token ids), each up to max_new_tokens long and ended before its
-    first eos_id. The model runs in eval mode (SA: the eval-seed permutations of each length)."""
+    first eos_id. The model runs in eval mode (SA: the eval-seed permutations of each length) and is given back in
+    the mode it came in (a sample from a training callback leaves it training)."""
     if not prompt:
         raise ValueError("the prompt holds no token (start from the end-of-text token for unconditioned text)")
     device = next(model.parameters()).device
@@ -42,18 +43,23 @@ def generate(model, prompt: list[int], max_new_tokens: int, num_samples: int = 1
     rows = torch.tensor([prompt] * num_samples, dtype=torch.long, device=device)
     done = torch.zeros(num_samples, dtype=torch.bool, device=device)
     out: list[list[int]] = [[] for _ in range(num_samples)]
+    was_training = model.training
     model.eval()
-    for _ in range(max_new_tokens):
-        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            hidden = model.hidden_states(rows[:, -context:])[:, -1]
-            logits = model.lm_head(hidden).float()
-        token = next_token(logits, temperature, top_k, top_p, generator)
-        for i in (~done).nonzero().flatten().tolist():
-            if eos_id is not None and int(token[i]) == eos_id:
-                done[i] = True
-            else:
-                out[i].append(int(token[i]))
-        if bool(done.all()):
-            break
-        rows = torch.cat([rows, token[:, None]], dim=1)
+    try:
+        for _ in range(max_new_tokens):
+            with torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
+                                enabled=autocast_dtype is not None):
+                hidden = model.hidden_states(rows[:, -context:])[:, -1]
+                logits = model.lm_head(hidden).float()
+            token = next_token(logits, temperature, top_k, top_p, generator)
+            for i in (~done).nonzero().flatten().tolist():
+                if eos_id is not None and int(token[i]) == eos_id:
+                    done[i] = True
+                else:
+                    out[i].append(int(token[i]))
+            if bool(done.all()):
+                break
+            rows = torch.cat([rows, token[:, None]], dim=1)
+    finally:
+        model.train(was_training)
     return out

@@ -51,3 +51,11 @@ def test_samples_stop_at_eos_and_follow_the_seed():
     assert stopped == greedy[: greedy.index(greedy[3])]
     with pytest.raises(ValueError, match="no token"):
         generate(model, [], 3)
+
+
+def test_a_training_model_is_given_back_training():
+    model = _model("sa").train()
+    assert generate(model, [1, 2], 3, temperature=0)[0] == generate(model.eval(), [1, 2], 3, temperature=0)[0]
+    model.train()
+    generate(model, [1, 2], 3)
+    assert model.training  # else the rest of a run that sampled from a callback would train on eval-seed pi
