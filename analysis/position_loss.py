@@ -4,7 +4,7 @@ context it was trained with (SWA's gain stops near its reach n_layers * (w - 1);
     python -m analysis.position_loss ckpt=runs/ablation/<swa run>,runs/ablation/<sa run> context=4096
     python -m analysis.position_loss ckpt=<run dir> text='/data/books/*.jsonl.gz' windows=64 seeds=3
 
-Text: `text=` files (txt / jsonl / json / parquet, gzip too; `text_field=`), else each run's own validation shard
+Text: `text=` files (txt / jsonl / json / parquet, compressed too; `text_field=`), else each run's own validation shard
 (its prepared data, found through the run's config.yaml). Windows of context + 1 tokens are cut from inside
 documents (none crosses a document boundary, so position t has t tokens of its document before it), evenly over
 all such windows, up to `windows` of them; the loss at position t is the mean next-token loss there (nats), over the

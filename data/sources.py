@@ -24,6 +24,9 @@ SOURCE_KINDS = ("embedded", "files", "hf")
 class DataSourceError(RuntimeError):
     """The configured text source cannot be read; the message says how to fix it."""
 _FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# what datasets (fsspec) decompresses on the fly; .zst through the zstandard package, a dependency since
+# SlimPajama ships as .jsonl.zst
+_COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
 
 
 def embedded_documents(min_chars: int = 200) -> Iterator[str]:
@@ -55,12 +58,12 @@ def embedded_documents(min_chars: int = 200) -> Iterator[str]:
 
 
 def _builder(path: str) -> str:
-    name = path[:-3] if path.endswith(".gz") else path
+    name = next((path[: -len(c)] for c in _COMPRESSIONS if path.endswith(c)), path)
     for ext, builder in _FILE_BUILDERS.items():
         if name.endswith(ext):
             return builder
-    raise ConfigError("data.source.paths", path,
-                      f"unsupported file type; use one of {sorted(_FILE_BUILDERS)} (optionally .gz)")
+    raise ConfigError("data.source.paths", path, f"unsupported file type; use one of {sorted(_FILE_BUILDERS)} "
+                      f"(optionally compressed: {', '.join(_COMPRESSIONS)})")
 
 
 def resolve_files(paths) -> list[str]:
@@ -102,8 +105,8 @@ def _loads(files: list[str]):
 
 
 def file_documents(paths, text_field: str = "text", streaming: bool = True) -> Iterator[str]:
-    """Local txt / jsonl / json / parquet files (gzip too) through `datasets`' own loaders, in the order of
-    resolve_files."""
+    """Local txt / jsonl / json / parquet files (gzip, zstd, bz2 or xz compressed too) through `datasets`' own
+    loaders, in the order of resolve_files."""
     import datasets
 
     for builder, group in _loads(resolve_files(paths)):
@@ -131,7 +134,8 @@ def hub_documents(name: str, config: str | None, split: str, text_field: str, st
             "This machine may have no hub access. Point the data at local files instead, e.g.\n"
             "  python train.py ... data=files data.source.paths='[/path/to/corpus/*.jsonl.gz]' "
             "data.source.text_field=text\n"
-            "(txt, jsonl/json and parquet, gzip-compressed too), or pre-download the dataset and set HF_DATASETS_CACHE."
+            "(txt, jsonl/json and parquet, compressed too: .gz, .zst, .bz2, .xz), or pre-download the dataset and "
+            "set HF_DATASETS_CACHE."
         ) from err
     for row in ds:
         if text_field not in row:  # as file_documents: a wrong field name is named, not "the source yielded no text"

@@ -195,8 +195,14 @@ def test_local_file_formats(tmp_path):
     (tmp_path / "a.txt").write_text("first document\nwith two lines")
     with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
         f.write(json.dumps({"text": "second"}) + "\n" + json.dumps({"text": "third"}) + "\n")
-    docs = list(file_documents([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl.gz")]))
-    assert docs == ["first document\nwith two lines", "second", "third"]
+    import zstandard
+
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "fourth"}\n'))  # SlimPajama's
+    docs = list(file_documents([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl.gz"), str(tmp_path / "c.jsonl.zst")]))
+    assert docs == ["first document\nwith two lines", "second", "third", "fourth"]
+    (tmp_path / "e.jsonl.lz4").write_bytes(b"")
+    with pytest.raises(ConfigError, match="optionally compressed"):
+        list(file_documents([str(tmp_path / "e.jsonl.lz4")]))
     with pytest.raises(ConfigError, match="data.source.paths"):
         list(file_documents([str(tmp_path / "missing*.jsonl")]))
 
