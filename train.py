@@ -19,6 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parent
 OmegaConf.register_new_resolver("steps", lambda tokens, per: max(1, int(float(tokens)) // int(per)), replace=True)
+# data.max_tokens counts the held-out documents too: a training budget plus twice its validation share (the hash
+# split holds out about val_fraction, by documents) leaves the whole budget for training, with no wrap into a
+# second pass at the end
+OmegaConf.register_new_resolver("with_validation", lambda tokens, val_fraction: int(
+    float(tokens) * (1 + 2 * float(val_fraction))), replace=True)
 
 
 def check_config(cfg: DictConfig):

@@ -36,6 +36,13 @@ def test_paper_preset_is_the_papers_model(tmp_path):
             model_cfg.vocab_size) == (24, 1024, 16, 2048, 32000)
     assert cfg.attention.window == 256 and cfg.optim.lr == 3e-4 and cfg.optim.tokens_per_step == 524288
     assert cfg.trainer.max_steps == 15_000_000_000 // 524288
+    # the prepared tokens hold the whole budget outside validation: one pass, no wrap at the end
+    assert cfg.data.max_tokens * (1 - 1.5 * cfg.data.val_fraction) > 15e9 > cfg.data.max_tokens * (1 - 3e-3)
+    from train import _accumulation
+
+    assert [_accumulation(cfg, world) for world in (1, 8)] == [16, 2]
+    cfg.data.batch_size = 8  # README's 4 nodes x 8 GPUs
+    assert _accumulation(cfg, 32) == 1
     import torch
 
     with torch.device("meta"):
