@@ -32,9 +32,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# The accuracy the paper's table reports per task (acc_norm where lm-eval's literature uses it).
-PRIMARY_METRIC = {"hellaswag": "acc_norm", "arc_easy": "acc_norm", "arc_challenge": "acc_norm", "piqa": "acc_norm",
-                  "openbookqa": "acc_norm"}
 PAPER_TASKS = ("mmlu", "boolq", "hellaswag", "lambada_openai", "arc_easy", "arc_challenge")
 PAPER_WINDOWS = (16, 32, 64, 128, 256, 512)
 
@@ -163,10 +160,13 @@ def evaluate_hf(model_name_or_path, kind: str, window: int | None, tasks_or_task
 
 
 def primary_scores(results: dict) -> dict[str, float]:
-    """{task: accuracy in %} with the metric the paper reports per task (acc_norm for HellaSwag/ARC, else acc)."""
+    """{task: accuracy in %} with the metric of the task's table column (evaluation.report: acc_norm for HellaSwag,
+    ARC-c and OpenBookQA, else acc)."""
+    from evaluation.report import primary_accuracy
+
     scores = {}
     for task, metrics in (results.get("results") or {}).items():
-        metric = PRIMARY_METRIC.get(task, "acc")
+        metric = primary_accuracy(task)
         value = metrics.get(f"{metric},none")
         if isinstance(value, (int, float)):
             scores[task] = 100.0 * float(value)

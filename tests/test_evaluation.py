@@ -635,7 +635,7 @@ def test_evaluate_checkpoint_writes_json_and_table_with_seed_spread(tiny_ckpt, e
     assert "| sa (w=4) [trained sa (w=8)] |" in table  # scored at another window than it was trained with
     assert ", 0-shot, float32," in table
     assert (tmp_path / "out" / "lm_eval" / "seed1.json").is_file()
-    assert summary["avg_acc"]["tasks"] == ["lambada_openai/acc", "lambada_standard/acc", "piqa/acc_norm",
+    assert summary["avg_acc"]["tasks"] == ["lambada_openai/acc", "lambada_standard/acc", "piqa/acc",
                                            "hellaswag/acc_norm"]
     assert "tasks)" not in table  # every accuracy column is in the average
     assert "eval: window 4 (trained with 8" in capsys.readouterr().err
@@ -832,6 +832,12 @@ def test_metrics_under_a_filter_and_the_shots_are_reported_as_lm_eval_ran_them()
     assert got["gsm8k"] == {"exact_match,strict-match": {"value": 0.25, "stderr": 0.01},
                             "exact_match,flexible-extract": {"value": 0.5, "stderr": 0.02}}
     assert got["piqa"]["acc_norm"] == {"value": 0.7, "stderr": 0.01}
+    assert got["piqa"]["acc"] == {"value": 0.6, "stderr": 0.01}
+    from evaluation.report import primary_accuracy
+
+    # the GLA / Mamba convention: acc_norm for HellaSwag and ARC-c, acc for PIQA and ARC-e
+    assert [primary_accuracy(t) for t in ("piqa", "arc_easy", "hellaswag", "arc_challenge", "lambada_openai",
+                                          "gsm8k")] == ["acc", "acc", "acc_norm", "acc_norm", "acc", "acc"]
     assert fewshot_of(results) == {"gsm8k": 5, "piqa": 0}
     assert fewshot_of({"configs": {"piqa": {"num_fewshot": 0}, "boolq": {}}}) == 0 == fewshot_of({})
 
