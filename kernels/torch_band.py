@@ -22,6 +22,9 @@ from kernels.order import gather_rows, inverse_permutation, scatter_rows, storag
 # Up to this many slots a dense masked SDPA call beats the blocked layout: the O(n^2) scores are cheap there, and one
 # fused call replaces a Python loop over the batch (evaluation batches of short sequences, small training contexts).
 DENSE_MAX_N = 512
+# The blocked layout's hand-written backward over CPU flash-attention ops; other devices take the same layout through
+# public SDPA and autograd (tests turn this off to check that path on the CPU too).
+FUSED_CPU_BACKWARD = True
 
 _sdpa_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _sdpa_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -212,7 +215,7 @@ def torch_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None
     block = block or _block_size(n, left, right)
     n_blocks = math.ceil(n / block)
     mask = _block_masks(storage_positions(perm, n, q.device), n, left, right, block, n_blocks, q.dtype)
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and FUSED_CPU_BACKWARD:
         return _BandedSDPA.apply(q, k, v, mask, perm, inv, left, right, block, scale)
     # Other devices: the same layout through the public SDPA and autograd (the Triton backend is faster there).
     if perm is not None:

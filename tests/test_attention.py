@@ -47,12 +47,14 @@ def test_band_mask_matches_definition():
             assert m[i, j] == (i - 1 <= j <= i + 1 and pos[j] <= pos[i])
 
 
-@pytest.fixture(params=["dense-short", "blocked"])
+@pytest.fixture(params=["dense-short", "blocked", "blocked-autograd"])
 def torch_layout(request, monkeypatch):
-    """The torch backend has two layouts (dense mask for short sequences, blocked band): test both on every shape."""
+    """The torch backend has two layouts (dense mask for short sequences, blocked band), the blocked one with two
+    backward paths (the CPU's hand-written one; public SDPA and autograd, which GPUs take): test all on every shape."""
     import kernels.torch_band as torch_band
 
     monkeypatch.setattr(torch_band, "DENSE_MAX_N", 512 if request.param == "dense-short" else 0)
+    monkeypatch.setattr(torch_band, "FUSED_CPU_BACKWARD", request.param != "blocked-autograd")
     return request.param
 
 
@@ -265,6 +267,35 @@ def test_gates_at_zero_or_one_reproduce_one_path(open_path):
     gated.eval(), single.eval()
     x = torch.randn(2, 40, 64)
     torch.testing.assert_close(gated(x), single(x), rtol=0, atol=0)
+
+
+def test_gated_mix_at_random_gates_is_two_independent_sigmoids():
+    """Away from 0, 1/2 and 1, where a softmax over the paths or sigma and 1 - sigma give the same outputs:
+    y_h = sigmoid(g_sa,h) * y_SA,h + sigmoid(g_swa,h) * y_SWA,h with the gates of the layer input."""
+    layer = _layer("gated_sa_swa").eval()
+    with torch.no_grad():
+        layer.gate.weight.normal_(0, 0.5)
+        layer.gate.bias.normal_(0, 1.0)
+    B, n, H, Hkv, D = 2, 40, 4, 2, 16
+    x = torch.randn(B, n, 64)
+    perm = layer.sampler.sample(0, n, B, training=False)
+    q = layer.rotary(layer.q_proj(x).view(B, n, H, D).transpose(1, 2))
+    k = layer.rotary(layer.k_proj(x).view(B, n, Hkv, D).transpose(1, 2))
+    v = layer.v_proj(x).view(B, n, Hkv, D).transpose(1, 2)
+    gates = torch.sigmoid(layer.gate(x)).transpose(1, 2)[..., None]  # [B, 2H, n, 1]: SA's first, then SWA's
+    y = gates[:, :H] * dense_reference(q, k, v, 8, perm.expand(B, n)) + gates[:, H:] * dense_reference(q, k, v, 8, None)
+    torch.testing.assert_close(layer(x), layer.o_proj(y.transpose(1, 2).reshape(B, n, H * D)), rtol=1e-5, atol=1e-5)
+
+
+def test_per_sequence_perm_off_shares_one_pi_across_the_batch():
+    def drawn(per_sequence):
+        dec = Decoder(ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=2, max_seq_len=32),
+                      AttentionConfig(kind="sa", window=4, per_sequence_perm=per_sequence)).train()
+        return dec.blocks[0].attn.draw_perm(32, 3)
+
+    assert drawn(False).shape == (32,)  # one pi for every sequence of the batch
+    per_sequence = drawn(True)
+    assert per_sequence.shape == (3, 32) and not torch.equal(per_sequence[0], per_sequence[1])
 
 
 def test_gates_start_at_one_half():

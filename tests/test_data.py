@@ -45,6 +45,21 @@ def test_atomic_writes_follow_the_umask(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temporary left behind
 
 
+def test_a_write_that_fails_midway_leaves_the_previous_file_whole(tmp_path):
+    """What shards, meta.json, progress.json and results.json rely on: a crash (here an error) mid-write never
+    leaves half a file where the old one was."""
+    path = tmp_path / "meta.json"
+    shards.atomic_write_text(path, "old")
+
+    def torn(f):
+        f.write(b"new, half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        shards.atomic_write(path, torn)
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["meta.json"]
+
+
 def test_truncated_or_foreign_shard_is_refused(tmp_path):
     shards.write_shard(tmp_path / "a.bin", np.arange(100, dtype=np.uint16))
     raw = (tmp_path / "a.bin").read_bytes()

@@ -182,6 +182,8 @@ def test_interior_tiles(tb, monkeypatch, kind, left, right, bm, bn, split):
 
 
 def test_backward_is_deterministic():
+    """No atomics: two backward passes give the same bits. The interpreter runs programs one after another, so only
+    a GPU run can catch an order-dependent sum; bench/gpu_session.sh runs this file there."""
     from kernels.triton_band import triton_banded_attention
 
     gen = torch.Generator().manual_seed(5)

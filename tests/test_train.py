@@ -505,6 +505,29 @@ def test_a_non_finite_loss_on_another_rank_stops_this_one_too(monkeypatch):
     assert votes == [True]  # this rank's loss was finite; the collective decision stopped it
 
 
+def test_gradients_are_clipped_to_optim_grad_clip_and_the_norm_before_is_logged():
+    """Loss curves cannot see clipping (AdamW hardly reacts to a rescaled gradient): the norm itself is checked."""
+    import lightning as L
+
+    torch.manual_seed(0)
+    module = LitDecoder(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
+                        attention=dict(kind="sa", window=4), max_steps=4, optim=dict(grad_clip=0.05))
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    module.trainer.strategy.model = module
+    logged = {}
+    module.log = lambda name, value, **kw: logged.__setitem__(name, float(value))  # what Lightning would record
+
+    def grad_norm():
+        return float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters() if p.grad is not None]))
+
+    module._loss(torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1)))[0].backward()
+    before = grad_norm()
+    assert before > 0.5  # the clip engages
+    module.configure_gradient_clipping(None)
+    assert logged["train/grad_norm"] == pytest.approx(before, rel=1e-5)
+    assert grad_norm() == pytest.approx(0.05, rel=1e-3)
+
+
 def test_training_uses_the_fused_adamw_and_resumes_an_unfused_ones_state():
     """configure_optimizers makes torch's fused AdamW on the CPU, which steps like the unfused one; the state of the
     unfused AdamW that checkpoints before 2026-12-02 hold loads into it and steps on as the unfused one would."""
