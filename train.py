@@ -17,6 +17,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from tools.runlog import RunConsole, say, warnings_to_log
+
 ROOT = Path(__file__).resolve().parent
 OmegaConf.register_new_resolver("steps", lambda tokens, per: max(1, int(float(tokens)) // int(per)), replace=True)
 # data.max_tokens counts the held-out documents too: a training budget plus twice its validation share (the hash
@@ -161,8 +163,8 @@ def _check_trainer_and_optim(cfg: DictConfig):
         raise ConfigError("optim.schedule_steps", steps, "a positive number of steps (or null: trainer.max_steps)")
     schedule = int(steps or t.max_steps)
     if int(o.warmup_steps) >= schedule:  # legal (short test runs), but rarely meant
-        print(f"warning: optim.warmup_steps={o.warmup_steps} >= the schedule's {schedule} steps: the learning rate "
-              "never leaves warmup (no decay)", file=sys.stderr)
+        say(f"warning: optim.warmup_steps={o.warmup_steps} >= the schedule's {schedule} steps: the learning rate "
+        "never leaves warmup (no decay)")
     from model.lightning_module import SCHEDULES
 
     if o.get("schedule", "cosine") not in SCHEDULES:
@@ -353,8 +355,8 @@ def _wandb_run_id(run_dir: Path, resume_step: int | None) -> str:
             else {}
         if max(logged, default=-1) < resume_step:
             return path.read_text().strip()
-        print(f"W&B: the checkpoint (step {resume_step}) is older than the steps already logged (to "
-              f"{max(logged)}): a new W&B run for the resumed one", file=sys.stderr)
+        say(f"W&B: the checkpoint (step {resume_step}) is older than the steps already logged (to "
+            f"{max(logged)}): a new W&B run for the resumed one")
     import uuid
 
     from data.shards import atomic_write_text
@@ -614,38 +616,10 @@ def _apply_hydra_job_settings(full: DictConfig, running) -> None:
                 callback.on_job_start(config=full)
 
 
-def log_to_file(text: str) -> None:
-    """`text` into Hydra's job log (<run dir>/train.log, beside Lightning's lines), if there is one."""
-    import logging
-
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(logging.LogRecord("train", logging.INFO, __file__, 0, text, None, None))
-
-
-def say(text: str) -> None:
-    """A plain line on stderr and in train.log."""
-    print(text, file=sys.stderr)
-    log_to_file(text)
-
-
-class RunConsole:
-    """Rich on stderr, and the same message as plain text in train.log: the run's record of what it said."""
-
-    def __init__(self, console):
-        self.console = console
-
-    def print(self, message, markup: bool = True, **kwargs):
-        self.console.print(message, markup=markup, **kwargs)
-        if isinstance(message, str):
-            from rich.text import Text
-
-            log_to_file(Text.from_markup(message).plain if markup else message)
-
-
 def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     """Compose -> validate -> prepare data -> fit. Returns the final metrics. `overrides` (the command line's) are
     kept in the run directory, for a resume to start from."""
+    warnings_to_log()  # a resume's config changes, a SIGTERM save: train.log is where they are looked for
     model_cfg, attn_cfg = check_config(cfg)
 
     import lightning as L
@@ -702,8 +676,10 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
         raise ConfigError("model.vocab_size", model_cfg.vocab_size,
                           f"smaller than the tokenizer's vocabulary ({data.vocab_size}); "
                           f"raise it to >= {data.vocab_size}")
-    console.print(f"[bold]data[/]: {data.meta['tokens']['train']:,} train / {data.meta['tokens']['val']:,} val tokens "
-                  f"in {data.root}")
+    counts = data.meta["tokens"]
+    held_out = f" ({counts['val_documents']:,} of {counts['documents']:,} documents)" if "val_documents" in counts \
+        else ""
+    console.print(f"[bold]data[/]: {counts['train']:,} train / {counts['val']:,} val tokens{held_out} in {data.root}")
     if prepare_only:
         console.print("prepare_only=true: the data is prepared; a training run with the same data.* config and "
                       "paths.cache_dir uses it as it is")

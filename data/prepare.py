@@ -24,6 +24,7 @@ import numpy as np
 from data import shards, sources
 from data.tokenizer import eos_id, load_tokenizer, tokenizer_hash, train_bpe
 from model.config import ConfigError
+from tools.runlog import say
 
 # 2: max_tokens is checked after every document (1 overshot by up to 256 documents); 3: a special token's text inside
 # a document is text (2 turned a literal "<|endoftext|>" into an EOS, splitting the document); 4: the tokenizer is
@@ -180,18 +181,17 @@ def exclusive_lock(path: Path, waiting_message: str):
 
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # NFS grants an exclusive flock only to a writer
     except (ImportError, OSError) as err:
-        print(f"warning: no lock at {path} ({err}); concurrent runs may repeat this work", file=sys.stderr)
+        say(f"warning: no lock at {path} ({err}); concurrent runs may repeat this work")
         yield
         return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(waiting_message, file=sys.stderr, flush=True)
+            say(waiting_message)
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as err:  # ENOLCK / EOPNOTSUPP: the file system has no flock
-            print(f"warning: cannot lock {path} ({err}); concurrent runs may repeat this work",
-                  file=sys.stderr)
+            say(f"warning: cannot lock {path} ({err}); concurrent runs may repeat this work")
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
@@ -241,8 +241,8 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     if saved:
         tok, head = load_tokenizer(root / "tokenizer.json"), []
         docs = itertools.islice(docs, saved["counts"]["documents"], None)  # the ones the saved shards hold
-        print(f"resuming the data preparation in {root} after {saved['counts']['documents']:,} documents "
-              f"({saved['counts']['train'] + saved['counts']['val']:,} tokens)", file=sys.stderr)
+        say(f"resuming the data preparation in {root} after {saved['counts']['documents']:,} documents "
+            f"({saved['counts']['train'] + saved['counts']['val']:,} tokens)")
     elif tok_cfg.get("path"):
         tok = load_tokenizer(tok_cfg["path"])
         head: list[str] = []
@@ -322,6 +322,8 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     if not val_parts and not val_buf:
         last = _last_document(train_buf, train_names, root, last_train)
         if last is not None:
+            say(f"data: the hash split (data.val_fraction={cfg['val_fraction']}) held out none of the "
+                f"{counts['documents']} documents; validation is the last one ({last.size:,} tokens)")
             val_buf.append(last)
             counts["train"] -= last.size
             counts["val"] += last.size
@@ -334,10 +336,9 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
                           f"too little text to split into train and validation ({counts['documents']} documents)")
     share = counts["val"] / max(1, counts["train"] + counts["val"])
     if share < cfg["val_fraction"] / 2:  # whole documents are held out: a few long books make a coarse split
-        print(f"warning: validation holds {counts['val_documents']} of {counts['documents']} documents, "
-              f"{share:.1%} of the tokens (data.val_fraction={cfg['val_fraction']}); with few long documents "
-              "every val loss comes from these, so raise data.val_fraction for a broader validation set",
-              file=sys.stderr)
+        say(f"warning: validation holds {counts['val_documents']} of {counts['documents']} documents, "
+            f"{share:.1%} of the tokens (data.val_fraction={cfg['val_fraction']}); with few long documents "
+            "every val loss comes from these, so raise data.val_fraction for a broader validation set")
     shards.write_shard(root / "val.bin", np.concatenate(val))
     meta = {
         "format_version": format_version(cfg),

@@ -600,7 +600,9 @@ def test_a_validation_split_far_below_val_fraction_is_warned_about(tmp_path, cap
         path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
         prepared = prepare(data_cfg([path]), tmp_path / name, progress=False)
         assert prepared.meta["tokens"]["val_documents"] == 1
-        assert ("validation holds 1 of 6 documents" in capsys.readouterr().err) == warned, name
+        err = capsys.readouterr().err
+        assert ("validation holds 1 of 6 documents" in err) == warned, name
+        assert "held out none of the 6 documents; validation is the last one" in err  # said, even when not skewed
 
 
 def test_a_corpus_is_tokenized_with_threads_and_they_are_off_afterwards(tmp_path, corpus_file, monkeypatch):

@@ -825,6 +825,8 @@ def test_a_bare_resume_continues_the_run_with_its_own_overrides(tmp_path, corpus
     log = (run / "train.log").read_text()  # what the run said, beside Lightning's lines
     assert "model: " in log and "resume: the run's own overrides" in log and "error: invalid config" in log
     assert "val loss      :" in log and "[bold]" not in log
+    assert "UserWarning: resuming with a config that differs from the checkpoint's" in log  # a warning, logged too
+    assert " documents) in " in log  # the data line says how many documents validation holds
     # a run started from another's weights resumes without them: init_from is not carried (its source has moved)
     second = tmp_path / "second"
     started = run_cli(cli_tiny(corpus_file, data_cache) + ["attention=gated_sa_swa", "attention.window=8",
