@@ -189,6 +189,21 @@ def test_evals_of_a_run_copied_without_checkpoints_are_still_the_final_ones(tmp_
     assert read_evals(run) == {"probe_needle/acc": 0.9}
 
 
+def test_evals_on_a_limited_number_of_examples_are_keyed_apart(tmp_path):
+    """A smoke test (eval.limit=10) run after the full evaluation replaced the run's score, newest winning."""
+    import time
+
+    from tools.runs import read_evals
+
+    run = _fake_run(tmp_path, "r", evals=[("quick", "last.ckpt", 0.4)])
+    time.sleep(0.01)
+    (run / "eval" / "smoke").mkdir()
+    (run / "eval" / "smoke" / "results.json").write_text(json.dumps(
+        {"checkpoint": str(run / "checkpoints" / "last.ckpt"), "limit": 10,
+         "results": [{"task": "probe_needle", "metric": "acc", "value": 0.9}]}))
+    assert read_evals(run) == {"probe_needle/acc": 0.4, "probe_needle/acc [limit=10]": 0.9}
+
+
 def test_the_final_step_checkpoint_is_the_newest_version(tmp_path):
     """Without last.ckpt the final checkpoint is the highest step, and of two step<N> files the -v1 (a later
     history's), which sorts before step<N>.ckpt by name."""

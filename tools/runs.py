@@ -47,13 +47,16 @@ def _final_checkpoint(run_dir: Path) -> Path | None:
 
 
 def _attention_label(data: dict, trained: dict | None) -> str:
-    """"" for results at the attention and context the run trained with, else what differs: " [window=64]",
-    " [context=4096]" (a window sweep at evaluation is another column, never the trained model's score)."""
+    """"" for results at the attention and context the run trained with, on whole evaluation sets, else what
+    differs: " [window=64]", " [context=4096]", " [limit=10]" (a window sweep at evaluation, or a smoke test on 10
+    examples, is another column, never the trained model's score)."""
     used = data.get("attention") or {}
     trained = data.get("trained_attention") or trained or {}
     diff = [f"{k}={used[k]}" for k in ("kind", "window") if k in used and k in trained and used[k] != trained[k]]
     if data.get("trained_context") and data.get("max_length") not in (None, data["trained_context"]):
         diff.append(f"context={data['max_length']}")
+    if data.get("limit"):
+        diff.append(f"limit={data['limit']}")
     return f" [{', '.join(diff)}]" if diff else ""
 
 
@@ -71,7 +74,8 @@ def read_evals(run_dir: Path, trained_attention: dict | None = None, steps: int 
     """{"task/metric": value} from the eval/**/results.json files that scored the run's final checkpoint (those of
     an intermediate checkpoint, e.g. eval/probes_step280, and of an earlier last.ckpt are left out), the newest file
     winning where two give a metric; a warning names the files when their values differ. Results under another
-    attention than the trained one are keyed apart: "probe_needle/acc [window=64]"."""
+    attention than the trained one, or on a limited number of examples, are keyed apart:
+    "probe_needle/acc [window=64]", "lambada_openai/acc [limit=10]"."""
     final = _final_checkpoint(run_dir)
     # a run folder copied without its checkpoints still ended with last.ckpt (train.py always writes one)
     final_name = final.name if final is not None else "last.ckpt"
