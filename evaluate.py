@@ -203,10 +203,16 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
         spread = f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
         return f"{statistics.fmean(values):.{digits}f}{spread}"
 
-    scores = [task for task in tasks if task in primary_scores(per_seed[0])]
-    lines = ["| model | attention | w_eff | " + " | ".join(scores) + " |", "|---|---|---|" + "---|" * len(scores),
-             f"| {name} | {kind} | {window or '-'} | " + " | ".join(cell(task) for task in scores) + " |"]
-    lines += [f"{key.replace('/', ' ')}: {cell(key)}" for key in _perplexities(per_seed[0])]
+    # a column per suite task (accuracy in %; not one per MMLU subject), then the perplexities
+    from evaluation.report import primary_accuracy
+
+    accuracies = [task for task in tasks if task in primary_scores(per_seed[0])]
+    columns = accuracies + list(_perplexities(per_seed[0]))
+    titles = [f"{task} {primary_accuracy(task)} %" for task in accuracies] + \
+        [key.replace("/", " ") for key in _perplexities(per_seed[0])]
+    lines = ["| model | attention | w_eff | " + " | ".join(titles) + " |",
+             "|---|---|---|" + "---|" * len(columns),
+             f"| {name} | {kind} | {window or '-'} | " + " | ".join(cell(c) for c in columns) + " |"]
     if num_seeds > 1:
         lines.append(f"mean ± std over SA seeds {seeds}")
     atomic_write_text(out_dir / "results.md", "\n".join(lines) + "\n")

@@ -415,7 +415,10 @@ def test_evaluate_py_runs_a_patched_hf_model_offline(saved_model, tmp_path):
     assert results["seeds"] == [0, 1] and len(results["scores_per_seed"]) == 2
     first, second = results["scores_per_seed"]
     assert first["lambada_openai/perplexity"] != second["lambada_openai/perplexity"]
-    assert "±" in (tmp_path / "out" / "results.md").read_text()
+    table = (tmp_path / "out" / "results.md").read_text().splitlines()
+    assert "±" in table[2] and table[0].count("|") == table[1].count("|") == table[2].count("|")  # one row, whole
+    assert table[0] == ("| model | attention | w_eff | lambada_openai acc % | wikitext word_perplexity | "
+                        "lambada_openai perplexity |")
 
 
 def test_evaluate_py_fails_when_every_task_of_an_hf_run_is_skipped(saved_model, tmp_path):
@@ -487,7 +490,7 @@ def test_evaluate_py_hf_table_has_a_column_per_suite_task_not_per_subject(saved_
     cfg = _eval_cfg([f"model.hf={saved_model[0]}", "eval.tasks=[mmlu]", f"eval.data_dir={_evaldata(tmp_path)}",
                      "eval.limit=1", "eval.device=cpu", f"eval.task_dir={tmp_path / 'tasks'}"])
     _evaluate_hf_model(str(saved_model[0]), cfg, {}, tmp_path / "out")
-    assert (tmp_path / "out" / "results.md").read_text().splitlines()[0] == "| model | attention | w_eff | mmlu |"
+    assert (tmp_path / "out" / "results.md").read_text().splitlines()[0] == "| model | attention | w_eff | mmlu acc % |"
     assert "mmlu_anatomy" in json.loads((tmp_path / "out" / "results.json").read_text())["scores_per_seed"][0]
 
 
