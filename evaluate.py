@@ -67,7 +67,7 @@ def main(cfg: DictConfig):
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # per-subtask INFO lines (57 for MMLU) drown the table
     from hydra.core.hydra_config import HydraConfig
 
-    from evaluation.runner import evaluate_checkpoint
+    from evaluation.runner import default_task_dir, evaluate_checkpoint
     from kernels.cpu_malloc import keep_freed_memory
     from model.config import ConfigError
 
@@ -75,6 +75,8 @@ def main(cfg: DictConfig):
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     eval_cfg = OmegaConf.to_container(cfg.eval, resolve=True)
+    if eval_cfg.get("data_dir") and not eval_cfg.get("task_dir") and cfg.paths.cache_dir:  # as train.py's
+        eval_cfg["task_dir"] = str(default_task_dir(eval_cfg["data_dir"], cfg.paths.cache_dir))
     attention = {k: v for k, v in OmegaConf.to_container(cfg.attention, resolve=True).items()
                  if v is not None and k in ("kind", "window", "backend", "eval_seed")}
     if cfg.model.hf:

@@ -709,9 +709,10 @@ def test_evaluate_py_on_a_run_directory(tiny_ckpt, evaldata, tmp_path):
     folder, _, _ = evaldata
     run_dir = tiny_ckpt.parent.parent
     proc = _run([str(ROOT / "evaluate.py"), f"ckpt={run_dir}", "eval=quick", f"eval.data_dir={folder}",
-                 "eval.limit=3", f"eval.task_dir={tmp_path / 'tasks'}", "attention.backend=torch"], tmp_path)
+                 "eval.limit=3", f"paths.cache_dir={tmp_path / 'cache'}", "attention.backend=torch"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| Model | Wiki ppl ↓ | LMB ppl ↓ | LMB acc ↑ |" in proc.stdout
+    assert list((tmp_path / "cache" / "eval_tasks").glob("*/wikitext.yaml"))  # converted where train.py puts them
     [out] = sorted((run_dir / "eval").glob("quick-*"))
     saved = json.loads((out / "results.json").read_text())
     assert saved["attention"]["backend"] == "torch" and saved["limit"] == 3
