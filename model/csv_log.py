@@ -56,6 +56,11 @@ class RunCSVLogger(CSVLogger):
     def __init__(self, save_dir: str | Path):
         super().__init__(save_dir=str(save_dir), name="", version="")
 
+    def log_metrics(self, metrics, step=None) -> None:
+        # no "epoch" column: Lightning's loop epoch counts fit calls here (a run is one epoch, a resume starts the
+        # next), not passes over the data, which the column's name suggests
+        super().log_metrics({k: v for k, v in metrics.items() if k != "epoch"}, step)
+
     @property
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:

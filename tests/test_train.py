@@ -464,6 +464,11 @@ def test_metrics_csv_is_appended_on_resume(tmp_path):
     rows = list(csv.DictReader((torn / "metrics.csv").open()))
     assert [(r["step"], r["train/loss"], r["epoch"]) for r in rows] == [("1", "4.5", "0"), ("2", "4.0", "")]
     assert read_run_metrics(torn / "metrics.csv")["train/loss"] == {1: 4.5, 2: 4.0}
+    fresh = tmp_path / "fresh"
+    logger = RunCSVLogger(fresh)
+    logger.log_metrics({"train/loss": 4.0, "epoch": 1}, step=3)  # Lightning's loop epoch, not a pass over the data
+    logger.save()
+    assert (fresh / "metrics.csv").read_text().splitlines()[0] == "step,train/loss"
 
 
 def test_final_weights_are_validated_when_the_last_step_is_not_a_validation_step(tmp_path, corpus_file, data_cache):
