@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None):
             print(f"sa-lm: {name} is not available locally ({why}); lm-eval will try the HF hub", file=sys.stderr)
         argv += ["--include_path", str(local.task_dir)]
 
+    batch_given = any(a in ("--batch_size", "-b") or a.startswith("--batch_size=") for a in argv)
+    if _pop_option(list(argv), "--model") == "sa-lm" and not batch_given:
+        argv += ["--batch_size", "16"]  # sa-lm's own default; lm-eval's CLI would pass its 1, 16x the forward calls
+
     import evaluation.lm  # noqa: F401  (registers "sa-lm")
     from lm_eval.__main__ import cli_evaluate
 

@@ -794,6 +794,22 @@ def test_lm_eval_cli_runs_sa_lm_on_a_local_task(tiny_ckpt, evaldata, tmp_path):
     assert "acc,none" in json.loads(saved.read_text())["results"]["lambada_openai"]
 
 
+def test_lm_eval_cli_gives_sa_lm_its_own_batch_size(monkeypatch):
+    """Without --batch_size lm-eval's CLI passes its default of 1, which sa-lm took over its own 16."""
+    import lm_eval.__main__ as lm_main
+
+    from evaluation import lm_eval_cli
+
+    seen = []
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # main() sets it for lm-eval's parser
+    monkeypatch.setattr(lm_main, "cli_evaluate", lambda: seen.append(list(sys.argv)))
+    lm_eval_cli.main(["--model", "sa-lm", "--tasks", "wikitext"])
+    lm_eval_cli.main(["--model", "sa-lm", "--batch_size", "4"])
+    lm_eval_cli.main(["--model", "hf", "--tasks", "wikitext"])
+    assert seen[0][-2:] == ["--batch_size", "16"] and seen[1].count("--batch_size") == 1
+    assert "--batch_size" not in seen[2]  # other models keep lm-eval's defaults
+
+
 def test_lm_eval_cli_refuses_few_shot_examples_from_a_test_split(tiny_ckpt, evaldata, tmp_path, monkeypatch):
     monkeypatch.setenv("SA_CACHE_DIR", str(tmp_path / "cache"))
     proc = _run(["-m", "evaluation.lm_eval_cli", "--model", "sa-lm", "--model_args", f"checkpoint={tiny_ckpt}",
