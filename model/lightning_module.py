@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 
@@ -156,6 +157,7 @@ class LitDecoder(L.LightningModule):
         self.max_steps = max_steps
         self._last_time = None
         self._save_started = None
+        self._recent_batches = None  # (tokens, seconds) of the latest micro-batches, for train/tokens_per_s
         self._peak = None
         # counted here, on the whole model: under FSDP a parameter outside the forward holds only this rank's shard,
         # and a count taken then shrank MFU by the world size
@@ -317,7 +319,14 @@ class LitDecoder(L.LightningModule):
         now = time.perf_counter()
         end = self._save_started or now  # a checkpoint saved after this step (ModelCheckpoint runs first) is left out
         if self._last_time is not None:
-            tokens_per_s = batch[:, :-1].numel() * self.trainer.world_size / (end - self._last_time)
+            # over the micro-batches of the last logging interval: one micro-batch alone is as noisy as the machine
+            # (a collection, a busy core read as a 5x slower step)
+            window = self.trainer.log_every_n_steps * self.trainer.accumulate_grad_batches
+            if self._recent_batches is None or self._recent_batches.maxlen != window:
+                self._recent_batches = collections.deque(maxlen=window)
+            self._recent_batches.append((batch[:, :-1].numel() * self.trainer.world_size, end - self._last_time))
+            tokens, seconds = (sum(column) for column in zip(*self._recent_batches))
+            tokens_per_s = tokens / seconds
             self.log("train/tokens_per_s", tokens_per_s, prog_bar=True)
             if self._peak:
                 flops = self._flops(batch.shape[1] - 1) * tokens_per_s / self.trainer.world_size

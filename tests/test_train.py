@@ -743,6 +743,26 @@ def test_tokens_per_s_leaves_out_checkpoint_saves(tmp_path):
     assert min(rates[2], rates[5]) > median / 5, (rates, median)  # 0.5 s in a ~10 ms step would be ~50x slower
 
 
+def test_tokens_per_s_is_the_rate_over_the_logging_interval(monkeypatch):
+    """One micro-batch's rate is as noisy as the machine (a busy core read as a 5x slower step): the logged rate is
+    the tokens of the interval's micro-batches over their time."""
+    import lightning as L
+
+    import model.lightning_module as lm
+
+    module = _tiny_module()
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                               log_every_n_steps=2)
+    logged = []
+    module.log = lambda name, value, **kw: logged.append(float(value)) if name == "train/tokens_per_s" else None
+    clock = iter([0.0, 1.0, 3.0, 3.5])
+    monkeypatch.setattr(lm.time, "perf_counter", lambda: next(clock))
+    batch = torch.randint(0, 32, (2, 17))  # 32 tokens
+    for _ in range(4):
+        module.on_train_batch_end(None, batch, 0)
+    assert logged == [32 / 1.0, 64 / 3.0, 64 / 2.5]  # the first batch starts the clock; then the last two
+
+
 def test_mfu_counts_the_whole_model_under_fsdp():
     """Under FSDP a parameter outside the forward holds one rank's shard: a count taken then shrank MFU."""
     module = _tiny_module()
