@@ -85,7 +85,7 @@ def main(cfg: DictConfig):
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
-        return evaluate_hf_model(cfg.model.hf, eval_cfg, attention, out_dir)
+        return evaluate_hf_model(cfg.model.hf, eval_cfg, attention, out_dir, _attention_given())
     if not cfg.ckpt:
         print("error: give ckpt=<run dir or .ckpt file> (or model.hf=<HuggingFace model>)", file=sys.stderr)
         sys.exit(2)
@@ -105,17 +105,24 @@ def main(cfg: DictConfig):
     return summary.get("avg_acc", {}) and summary["avg_acc"]["value"]
 
 
-def exported_attention(name: str, attention: dict) -> dict:
+def exported_attention(name: str, attention: dict, given: set[str] | None = None) -> dict:
     """A folder written by hf.export runs with the attention it was trained with unless attention.kind is given
-    (it would otherwise run as full attention, silently), and with its eval_seed unless attention.eval_seed is."""
+    (it would otherwise run as full attention, silently), and with its window and eval_seed unless they are given.
+    `given`: the attention keys the command line set itself; a preset's window and eval_seed (attention=sa has 32
+    and 0) are defaults, not a choice of this model's (None: every key in `attention` counts as given)."""
     import json
 
     exported = Path(name) / "sa_export.json"
     if not exported.is_file():
         return attention
+    if given is not None:
+        attention = {k: v for k, v in attention.items() if k in given or k not in ("window", "eval_seed")}
     trained = json.loads(exported.read_text())["attention"]
     if "eval_seed" not in attention and "eval_seed" in trained:  # SA's permutations: those of the trained model
         attention = {**attention, "eval_seed": trained["eval_seed"]}
+        if trained["eval_seed"]:
+            print(f"eval: SA eval seed {trained['eval_seed']}, as {name} was trained (attention.eval_seed=<s> sets "
+                  "another)", file=sys.stderr)
     if "kind" in attention:  # another kind, at the trained window unless one is given
         if attention["kind"] != "full" and "window" not in attention and trained["window"]:
             attention = {**attention, "window": trained["window"]}
@@ -128,7 +135,15 @@ def exported_attention(name: str, attention: dict) -> dict:
     return attention
 
 
-def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path):
+def _attention_given() -> set[str]:
+    """The attention.* keys set on the command line (attention=<preset> sets kind), not by a preset's defaults."""
+    from hydra.core.hydra_config import HydraConfig
+
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+    return {k.split(".", 1)[1] for k in keys if k.startswith("attention.")} | ({"kind"} if "attention" in keys else set())
+
+
+def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path, given: set[str] | None = None):
     """A pretrained HuggingFace model with SA / SWA / MoBA at prefill (weights untouched), through lm-eval's HFLM.
 
     SA with eval.num_seeds=K loads the model once and re-patches it with K permutation seeds; results.json holds
@@ -146,7 +161,7 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path)
     from hf.patch import load_hf_model
     from model.config import ConfigError
 
-    attention = exported_attention(name, attention)
+    attention = exported_attention(name, attention, given)
     kind = attention.get("kind", "full")
     if kind not in ("full", "swa", "sa", "moba"):
         print(f"error: attention.kind={kind!r} is not available for HuggingFace models (full, swa, sa, moba)",

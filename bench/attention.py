@@ -220,7 +220,8 @@ def _fmt_row(r):
 
 
 def ratios_table(rows) -> str:
-    """Markdown: per (n, backend) the latencies and SA/full, SA/SWA ratios (fwd+bwd when measured, else fwd)."""
+    """Markdown: per (n, backend) the latencies and the full/SA (SA's speed-up) and SA/SWA (SA's cost) ratios
+    (fwd+bwd when measured, else fwd)."""
     by = {(r["n"], r["backend"], r["variant"]): r for r in rows}
     lines = ["| n | backend | metric | full (SDPA) ms | SWA ms | SA ms | gated ms | full / SA | SA / SWA |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -44,6 +44,18 @@ def _requested_tasks(argv: list[str]) -> list[str]:
     return names
 
 
+def _needs_batch_size(argv: list[str]) -> bool:
+    """Whether this is sa-lm with no batch size given in any spelling lm-eval's parser takes (-b8, --batch 8,
+    --batch_size=8) nor a --config file, which may set one."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)  # abbreviations and attached values as lm-eval's parser
+    for flags in (("--model", "-M"), ("--batch_size", "-b"), ("--config", "-C")):
+        parser.add_argument(*flags)
+    known, _ = parser.parse_known_args(argv)
+    return known.model == "sa-lm" and known.batch_size is None and known.config is None
+
+
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     data_dir = _pop_option(argv, "--data_dir")
@@ -65,8 +77,7 @@ def main(argv: list[str] | None = None):
             print(f"sa-lm: {name} is not available locally ({why}); lm-eval will try the HF hub", file=sys.stderr)
         argv += ["--include_path", str(local.task_dir)]
 
-    batch_given = any(a in ("--batch_size", "-b") or a.startswith("--batch_size=") for a in argv)
-    if _pop_option(list(argv), "--model") == "sa-lm" and not batch_given:
+    if _needs_batch_size(argv):
         argv += ["--batch_size", "16"]  # sa-lm's own default; lm-eval's CLI would pass its 1, 16x the forward calls
 
     import evaluation.lm  # noqa: F401  (registers "sa-lm")

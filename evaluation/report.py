@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass
 
 # Per task: the metrics we keep (lm-eval names); the first one is the table's column. Accuracies follow the GLA /
-# Mamba tables the paper's setup comes from (docs/paper.md, section 5): acc_norm for HellaSwag and ARC-c (and
+# Mamba tables whose recipe the paper follows (Yang et al. 2024, Gu & Dao 2023): acc_norm for HellaSwag and ARC-c (and
 # OpenBookQA, as lm-eval's literature reports it), acc for the others, PIQA and ARC-e included; results.json keeps
 # both where lm-eval gives both.
 METRICS: dict[str, tuple[str, ...]] = {

@@ -72,8 +72,9 @@ def patch_model(model, kind: str, window: int | None = None, seed: int = 0, back
     if current != ATTN_NAME:  # re-patching keeps the implementation the model had before the first patch
         model._attn_before_sa_prefill = current or "sdpa"
     _set_attn_implementation(model, ATTN_NAME)
-    # bound to the instance (not wrapping its bound generate), so that a copy of the model generates with itself
-    model.generate = types.MethodType(_generate_with_cache, model)
+    if "generate" not in vars(model):  # an instance generate of its own (a hub repo's custom_generate) stays
+        # bound to the instance (not wrapping its bound generate), so that a copy of the model generates with itself
+        model.generate = types.MethodType(_generate_with_cache, model)
     return model
 
 

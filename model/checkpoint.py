@@ -40,14 +40,16 @@ class LoadedModel:
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A .ckpt file as is; a run directory -> its checkpoints/last.ckpt (or the newest checkpoint)."""
+    """A .ckpt file as is; a run directory -> its checkpoints/last.ckpt, else its highest step checkpoint (by step
+    and version, as tools.runs picks the run's final one: modification times do not survive every copy), else its
+    newest other .ckpt."""
     path = Path(path)
     if path.is_file():
         return path
     for folder in (path / "checkpoints", path):
         if (folder / "last.ckpt").is_file():
             return folder / "last.ckpt"
-        found = sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+        found = step_checkpoints(folder) or sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
         if found:
             return found[-1]
     raise FileNotFoundError(f"no checkpoint at {path} (give a .ckpt file or a run directory with checkpoints/)")

@@ -92,7 +92,7 @@ def test_a_backend_that_fails_its_gate_is_not_timed(tmp_path, monkeypatch):
 
     assert ba.correctness_ok("torch", torch.device("cpu"), torch.float32, heads=2, head_dim=16) == (True, "ok")
     assert ba.correctness_ok("torch", torch.device("cpu"), torch.float32, heads=2, head_dim=16, window=2048) == \
-        (True, "ok")  # the timed window, here past n: the band clamps
+        (True, "ok")  # the timed window, here all of n=2048
     real = ba.banded_attention
     monkeypatch.setattr(ba, "banded_attention", lambda *a, **k: real(*a, **k) * 1.001)
     ok, why = ba.correctness_ok("torch", torch.device("cpu"), torch.float32, heads=2, head_dim=16)

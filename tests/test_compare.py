@@ -212,7 +212,11 @@ def test_the_final_step_checkpoint_is_the_newest_version(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     for name in ("step0000090.ckpt", "step0000100.ckpt", "step0000100-v1.ckpt"):
         (tmp_path / "checkpoints" / name).write_bytes(b"")
+    os.utime(tmp_path / "checkpoints" / "step0000090.ckpt", (2e9, 2e9))  # a copy that kept no modification times
     assert _final_checkpoint(tmp_path).name == "step0000100-v1.ckpt"
+    from model.checkpoint import find_checkpoint
+
+    assert find_checkpoint(tmp_path).name == "step0000100-v1.ckpt"  # evaluate.py ckpt=<run dir> scores the same
 
 
 def test_evals_of_the_final_checkpoint_only_newest_first(tmp_path, capsys):

@@ -808,6 +808,11 @@ def test_lm_eval_cli_gives_sa_lm_its_own_batch_size(monkeypatch):
     lm_eval_cli.main(["--model", "hf", "--tasks", "wikitext"])
     assert seen[0][-2:] == ["--batch_size", "16"] and seen[1].count("--batch_size") == 1
     assert "--batch_size" not in seen[2]  # other models keep lm-eval's defaults
+    from evaluation.lm_eval_cli import _needs_batch_size
+
+    for given in (["-b8"], ["--batch", "8"], ["--batch_size=8"], ["--config", "run.yaml"]):  # argparse's spellings
+        assert not _needs_batch_size(["--model", "sa-lm", *given]), given
+    assert _needs_batch_size(["-M", "sa-lm", "--tasks", "wikitext"])
 
 
 def test_lm_eval_cli_refuses_few_shot_examples_from_a_test_split(tiny_ckpt, evaldata, tmp_path, monkeypatch):

@@ -555,6 +555,20 @@ def test_an_export_keeps_the_eval_seed_of_its_sa_permutations(tiny_ckpt, tmp_pat
     out = export(tmp_path / "seed5.ckpt", tmp_path / "export")
     attention = exported_attention(str(out), {})
     assert attention == {"kind": "sa", "window": 8, "eval_seed": 5}
+    preset = {"kind": "sa", "window": 32, "backend": "auto", "eval_seed": 0}  # what `attention=sa` composes
+    assert exported_attention(str(out), preset, given={"kind"}) == {**preset, "window": 8, "eval_seed": 5}
+    assert exported_attention(str(out), preset, given={"kind", "window"}) == {**preset, "eval_seed": 5}
+    import subprocess
+    import sys
+
+    empty = tmp_path / "empty"
+    empty.mkdir()  # no task data: stops after the attention settings are read, before the model loads
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(root / "evaluate.py"), f"model.hf={out}", "attention=sa",
+                          f"eval.data_dir={empty}", f"out_dir={tmp_path / 'out'}"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert res.returncode == 1 and "nothing was evaluated" in res.stderr, res.stderr[-2000:]
+    assert "eval: SA eval seed 5, as" in res.stderr and "eval: window 8, as" in res.stderr  # not the preset's 0 / 32
     ours = load_checkpoint(tmp_path / "seed5.ckpt").model
     tokens = torch.randint(0, ours.cfg.vocab_size, (1, 40))
     model, _ = load_hf_model(str(out), kind="sa", window=8, seed=attention["eval_seed"], dtype="float32",
