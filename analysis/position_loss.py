@@ -23,12 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.probe_eval import parse_args, run_dir_of
+from analysis.probe_eval import parse_args, run_dir_of, setting_suffix
 from data.shards import atomic_write_text
 
 DEFAULTS = {"ckpt": None, "text": None, "text_field": "text", "context": None, "windows": 128, "buckets": 12,
             "seeds": 1, "batch_size": 4, "device": "cpu", "out": None}
 INT_KEYS = ("context", "windows", "buckets", "seeds", "batch_size")
+MEASURE_KEYS = ("text", "text_field", "windows", "buckets")  # other values: another measurement (context: max_length)
 BANDED = ("swa", "gated_sa_swa")  # variants with a sliding-window path, whose reach the table and plot mark
 
 
@@ -73,12 +74,13 @@ def cut_windows(docs: list[np.ndarray], length: int, limit: int) -> np.ndarray:
     return np.stack([docs[spans[p][0]][spans[p][1]: spans[p][1] + length] for p in picks])
 
 
-def position_losses(model, windows: np.ndarray, batch_size: int, device) -> np.ndarray:
-    """Mean next-token loss at each of the context positions of `windows` [k, context + 1]: [context] (nats)."""
+def position_losses(model, windows: np.ndarray, batch_size: int, device, per_window: bool = False) -> np.ndarray:
+    """Mean next-token loss at each of the context positions of `windows` [k, context + 1]: [context] (nats), or
+    each window's [k, context] with per_window."""
     import torch
     import torch.nn.functional as F
 
-    total = torch.zeros(windows.shape[1] - 1, dtype=torch.float64)
+    total = torch.zeros(len(windows), windows.shape[1] - 1, dtype=torch.float64)
     with torch.no_grad():
         for start in range(0, len(windows), batch_size):
             batch = torch.from_numpy(windows[start: start + batch_size]).to(device)
@@ -86,14 +88,19 @@ def position_losses(model, windows: np.ndarray, batch_size: int, device) -> np.n
             for lo in range(0, hidden.shape[1], 512):  # the head one slice at a time: [B, 512, vocab] at most
                 logits = model.lm_head(hidden[:, lo: lo + 512]).float()
                 nll = F.cross_entropy(logits.transpose(1, 2), batch[:, lo + 1: lo + 513], reduction="none")
-                total[lo: lo + 512] += nll.sum(0).double().cpu()
-    return (total / len(windows)).numpy()
+                total[start: start + len(batch), lo: lo + 512] = nll.double().cpu()
+    return total.numpy() if per_window else total.mean(0).numpy()
 
 
 def bucket_edges(context: int, buckets: int) -> list[int]:
     """Log-spaced position buckets [edge_i, edge_i+1) over 0..context (near positions are where the loss moves)."""
     edges = np.unique(np.geomspace(1, context + 1, buckets + 1).round().astype(int) - 1)
     return [int(e) for e in edges]
+
+
+def _seed_curve(model, seed: int, windows: np.ndarray, given: dict) -> np.ndarray:
+    model.sampler.eval_seed = seed
+    return position_losses(model, windows, int(given["batch_size"]), given["device"], per_window=True)
 
 
 def score_run(ckpt: str, given: dict, attention: dict, log) -> dict:
@@ -112,13 +119,16 @@ def score_run(ckpt: str, given: dict, attention: dict, log) -> dict:
     docs, source = documents_of(loaded, run_dir, given["text"], given["text_field"])
     windows = cut_windows(docs, context + 1, int(given["windows"]))
     seeds = [acfg.eval_seed + i for i in range(int(given["seeds"]))] if acfg.kind in ("sa", "gated_sa_swa") else [0]
-    curves = []
-    for seed in seeds:
-        model.sampler.eval_seed = seed
-        curves.append(position_losses(model, windows, int(given["batch_size"]), given["device"]))
-    loss = np.mean(curves, axis=0)
+    if loaded.loss_only_after:
+        log(f"warning: {ckpt} trained its loss only on the token after {loaded.loss_only_after!r} "
+            "(data.loss_only_after); its loss on every other token says little about it")
+    per_window = np.mean([_seed_curve(model, seed, windows, given) for seed in seeds], axis=0)  # [windows, context]
+    loss = per_window.mean(0)
     edges = bucket_edges(context, int(given["buckets"]))
-    buckets = [{"lo": lo, "hi": hi - 1, "loss": float(loss[lo:hi].mean())} for lo, hi in zip(edges, edges[1:])]
+    # the standard error over windows: neighbouring buckets differ by the text as much as by the position
+    buckets = [{"lo": lo, "hi": hi - 1, "loss": float(loss[lo:hi].mean()),
+                "stderr": float(per_window[:, lo:hi].mean(1).std(ddof=1) / np.sqrt(len(windows)))
+                if len(windows) > 1 else None} for lo, hi in zip(edges, edges[1:])]
     label = f"{acfg.kind}" + (f" w={acfg.window}" if acfg.kind != "full" else "") + f" ({Path(ckpt).name})"
     identity = loaded.identity()
     log(f"{label}: {len(windows)} windows of {context} tokens from {source}, {len(seeds)} seed(s), "
@@ -126,20 +136,24 @@ def score_run(ckpt: str, given: dict, attention: dict, log) -> dict:
     return {"suite": "position_loss", "checkpoint": str(path), **identity, "label": label,
             "attention": {"kind": acfg.kind, "window": acfg.window, "eval_seeds": seeds},
             "max_length": context, "swa_reach": model.cfg.n_layers * (acfg.window - 1), "text": source,
+            "setting": {k: given[k] for k in MEASURE_KEYS if given[k] != DEFAULTS[k]},
             "windows": len(windows), "loss": [round(float(x), 5) for x in loss], "buckets": buckets,
             "results": [{"task": "position_loss", "metric": "loss", "value": float(loss.mean())},
                         {"task": "position_loss", "metric": "loss_last_bucket", "value": buckets[-1]["loss"]}],
             "seconds": round(time.time() - started, 1), "run_dir": str(run_dir or "")}
 
 
+def _cell(bucket: dict) -> str:
+    return f"{bucket['loss']:.3f}" + (f" ± {bucket['stderr']:.3f}" if bucket.get("stderr") is not None else "")
+
+
 def markdown(runs: list[dict]) -> str:
     context = runs[0]["max_length"]
-    lines = [f"## Held-out loss by position (nats; context {context} tokens)", "",
+    lines = [f"## Held-out loss by position (nats ± standard error over windows; context {context} tokens)", "",
              "| positions | " + " | ".join(r["label"] for r in runs) + " |",
              "|---|" + "---|" * len(runs)]
     for i, bucket in enumerate(runs[0]["buckets"]):
-        lines.append(f"| {bucket['lo']}–{bucket['hi']} | " + " | ".join(f"{r['buckets'][i]['loss']:.3f}" for r in runs)
-                     + " |")
+        lines.append(f"| {bucket['lo']}–{bucket['hi']} | " + " | ".join(_cell(r["buckets"][i]) for r in runs) + " |")
     banded = [r for r in runs if r["attention"]["kind"] in BANDED]
     lines += ["", "Trained context: " + ", ".join(f"{r['label']} {r['trained_context']}" for r in runs) + "."]
     if banded:
@@ -172,6 +186,12 @@ def plot(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _folder(run: dict) -> str:
+    """eval/<this>: by context, and by a hash of the other settings when they are not the defaults (another text or
+    number of windows is another measurement: it must not overwrite the default one)."""
+    return f"position_loss_{run['max_length']}{setting_suffix(run['setting'])}"
+
+
 def main(argv=None) -> int:
     given, attention = parse_args(list(sys.argv[1:] if argv is None else argv), DEFAULTS, INT_KEYS)
     given = {**DEFAULTS, **given}
@@ -188,14 +208,14 @@ def main(argv=None) -> int:
         except (ValueError, FileNotFoundError) as err:
             raise SystemExit(f"error: {ckpt}: {err}") from None
         if run["run_dir"]:
-            folder = Path(run["run_dir"]) / "eval" / f"position_loss_{run['max_length']}"
+            folder = Path(run["run_dir"]) / "eval" / _folder(run)
             folder.mkdir(parents=True, exist_ok=True)
             atomic_write_text(folder / "results.json", json.dumps(run, indent=1))
             atomic_write_text(folder / "results.md", markdown([run]))
         runs.append(run)
     if len({r["max_length"] for r in runs}) > 1:
         raise SystemExit("error: the runs have other trained contexts: give context=<tokens> to score them alike")
-    out = Path(given["out"] or (Path(runs[0]["run_dir"]) / "eval" / f"position_loss_{runs[0]['max_length']}"
+    out = Path(given["out"] or (Path(runs[0]["run_dir"]) / "eval" / _folder(runs[0])
                                 if len(runs) == 1 and runs[0]["run_dir"] else "runs/analysis/position_loss"))
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(runs)

@@ -49,6 +49,22 @@ DEFAULTS = {"ckpt": None, "task": "kv,passkey", "num": 200, "num_pairs": 8, "key
 ATTENTION_KEYS = ("kind", "window", "backend", "eval_seed")
 
 
+# What a probe score measures beyond the checkpoint and attention: given otherwise than the run trained (or the
+# defaults), they make another score, kept in a folder of its own and labelled apart by tools.compare
+MEASURE_KEYS = ("task", "num", "num_pairs", "key_digits", "value_digits", "filler", "seed", "context", "min_distance",
+                "max_distance", "buckets")
+
+
+def setting_suffix(setting: dict) -> str:
+    """"" for the default measurement, else "_" + a short hash of the settings that differ (results.json spells them
+    out), so that another measurement never overwrites the default one's folder."""
+    import hashlib
+
+    if not setting:
+        return ""
+    return "_" + hashlib.sha256(json.dumps(setting, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
 INT_KEYS = ("num", "num_pairs", "key_digits", "value_digits", "seed", "seeds", "context", "min_distance",
             "max_distance", "buckets", "batch_size")
 
@@ -199,14 +215,16 @@ def evaluate(given: dict, attention: dict | None = None, log=print) -> dict:
     loaded = load_checkpoint(ckpt, attention=attention or None, device=cfg["device"])
     model, tok = loaded.model, loaded.tokenizer
     mcfg, acfg = model.cfg, model.attn_cfg
-    if cfg["context"]:
-        context = int(cfg["context"])
-    elif "length" in trained:  # in distribution: prompts as long as the training documents
-        context = trained_context(tok, trained, mcfg.max_seq_len)
-        log(f"probe context {context} tokens (the run's training documents; context=<tokens> to change)")
+    if "length" in trained:  # in distribution: prompts as long as the training documents
+        default_context = trained_context(tok, trained, mcfg.max_seq_len)
+        if not cfg["context"]:
+            log(f"probe context {default_context} tokens (the run's training documents; context=<tokens> to change)")
     else:
-        context = mcfg.max_seq_len
+        default_context = mcfg.max_seq_len
+    context = int(cfg["context"]) if cfg["context"] else default_context
     cfg["context"] = context
+    base = {**DEFAULTS, **{k: v for k, v in trained.items() if k != "length"}, "context": default_context}
+    setting = {k: cfg[k] for k in MEASURE_KEYS if k in given and cfg[k] != base.get(k)}
     if context > mcfg.max_seq_len:
         raise SystemExit(f"error: context={context} exceeds the model's max_seq_len={mcfg.max_seq_len}")
     if int(cfg["seeds"]) < 1:
@@ -221,7 +239,7 @@ def evaluate(given: dict, attention: dict | None = None, log=print) -> dict:
     tasks = [t for t in str(cfg["task"]).split(",") if t]
     summary = {"suite": "probes", "checkpoint": str(ckpt), **loaded.identity(),
                "attention": {"kind": acfg.kind, "window": acfg.window, "eval_seeds": seeds},
-               "context": context, "swa_reach": reach,
+               "context": context, "swa_reach": reach, "setting": setting,
                "settings": cfg, "results": [], "buckets": {}}
     for task in tasks:
         examples = build_examples(tok, task, int(cfg["num"]), context, int(cfg["seed"]), int(cfg["num_pairs"]),
@@ -276,8 +294,9 @@ def markdown(summary: dict) -> str:
 
 
 def default_folder(summary: dict) -> str:
-    """eval/<this>: "probes" for the final checkpoint at its trained attention, else named by what differs (the
-    checkpoint, the attention, the seeds), so scoring step 280 or another window never overwrites the final result."""
+    """eval/<this>: "probes" for the final checkpoint at its trained attention and probe settings, else named by what
+    differs (the checkpoint, the attention, the seeds, a hash of other probe settings), so scoring step 280, another
+    window or another context never overwrites the final result."""
     parts = ["probes"]
     if Path(summary["checkpoint"]).name != "last.ckpt":
         parts.append(Path(summary["checkpoint"]).stem)
@@ -287,7 +306,7 @@ def default_folder(summary: dict) -> str:
             parts.append(f"{key}{summary['attention'][key]}")
     if len(summary["attention"]["eval_seeds"]) > 1:
         parts.append(f"{len(summary['attention']['eval_seeds'])}seeds")
-    return "_".join(parts)
+    return "_".join(parts) + setting_suffix(summary.get("setting") or {})
 
 
 def _cell(acc: float, std: float | None) -> str:

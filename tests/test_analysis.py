@@ -167,8 +167,10 @@ def test_position_losses_equal_the_direct_per_position_loss():
     tokens = torch.from_numpy(windows)
     with torch.no_grad():
         logits = model(tokens[:, :-1])
-    direct = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(0)
-    assert got.shape == (600,) and np.allclose(got, direct.numpy(), atol=1e-5)
+    direct = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
+    assert got.shape == (600,) and np.allclose(got, direct.mean(0).numpy(), atol=1e-5)
+    each = position_losses(model, windows, batch_size=2, device="cpu", per_window=True)
+    assert each.shape == (3, 600) and np.allclose(each, direct.numpy(), atol=1e-5)
 
 
 def test_position_loss_cli_past_the_trained_context(tiny_ckpt, corpus_file, tmp_path, capsys):
@@ -176,10 +178,16 @@ def test_position_loss_cli_past_the_trained_context(tiny_ckpt, corpus_file, tmp_
     from tools.runs import read_evals
 
     run_dir = tiny_ckpt.parent.parent
-    assert main([f"ckpt={run_dir}", "windows=4"]) == 0  # the run's own validation shard, at the trained context
+    assert main([f"ckpt={run_dir}"]) == 0  # the defaults: the run's own validation shard, at the trained context
     saved = json.loads((run_dir / "eval" / "position_loss_64" / "results.json").read_text())
     assert saved["max_length"] == saved["trained_context"] == 64 and len(saved["loss"]) == 64
-    assert saved["text"].endswith("val.bin") and saved["windows"] == 4
+    assert saved["text"].endswith("val.bin") and saved["setting"] == {}
+    each = [b["stderr"] for b in saved["buckets"]]  # over windows: how far apart neighbouring buckets may fall
+    assert all(e is not None and e >= 0 for e in each) and max(each) > 0
+    assert main([f"ckpt={run_dir}", "windows=4"]) == 0  # another measurement: a folder of its own, not the default's
+    [other] = (run_dir / "eval").glob("position_loss_64_*")
+    assert json.loads((other / "results.json").read_text())["windows"] == 4
+    assert json.loads((run_dir / "eval" / "position_loss_64" / "results.json").read_text()) == saved
     books = tmp_path / "books.jsonl"  # documents long enough for 128-token windows
     text = [json.loads(line)["text"] for line in corpus_file.read_text().splitlines()]
     books.write_text("".join(json.dumps({"text": " ".join(text[i: i + 20])}) + "\n" for i in range(0, 200, 20)))
@@ -190,6 +198,7 @@ def test_position_loss_cli_past_the_trained_context(tiny_ckpt, corpus_file, tmp_
     assert (tmp_path / "out" / "position_loss.png").stat().st_size > 0
     assert "| positions | sa w=8" in capsys.readouterr().out
     evals = read_evals(run_dir)
-    assert "position_loss/loss" in evals and "position_loss/loss [context=128]" in evals
+    assert {"position_loss/loss", "position_loss/loss [windows=4]",
+            "position_loss/loss [context=128, text=books.jsonl, windows=6]"} <= set(evals)
     with pytest.raises(SystemExit, match="no document holds 100001 tokens"):
         main([f"ckpt={run_dir}", "context=100000", f"text={books}"])

@@ -171,8 +171,10 @@ def test_probes_train_and_evaluate_end_to_end(tmp_path, data_cache):
     assert acc["acc"]["n"] == 12 and 0.0 <= acc["acc"]["value"] <= 1.0
     assert acc["acc_beyond_swa"]["n"] + acc["acc_within_swa"]["n"] == 12
     assert sum(b["n"] for b in summary["buckets"]["kv"]) == 12
-    alone = evaluate({"ckpt": str(run), "num": 12, "batch_size": 1, "buckets": 3}, {"window": 8})
+    alone = evaluate({"ckpt": str(run), "num": 12, "batch_size": 1, "buckets": 3, "task": "kv"}, {"window": 8})
     assert alone["results"] == summary["results"]  # padded batches score like single sequences
+    # what differs from the run's own probes (its task, as given here, does not): another measurement, labelled apart
+    assert alone["setting"] == summary["setting"] == {"num": 12, "buckets": 3}
     # seeds=3: the mean over eval permutations 0, 1, 2, each as scored alone
     three = evaluate({"ckpt": str(run), "num": 12, "batch_size": 6, "buckets": 3, "seeds": 3}, {"window": 8})
     each = [{r["metric"]: r["value"] for r in evaluate({"ckpt": str(run), "num": 12, "batch_size": 6, "buckets": 3},
@@ -270,6 +272,8 @@ def test_probe_results_get_a_folder_of_their_own_unless_they_score_the_final_che
     assert default_folder(summary()) == "probes"
     assert default_folder(summary(ckpt="step0000280.ckpt")) == "probes_step0000280"
     assert default_folder(summary(window=64, seeds=(0, 1, 2))) == "probes_window64_3seeds"
+    shorter = {**summary(), "setting": {"context": 200}}  # another probe length: another measurement
+    assert default_folder(shorter).startswith("probes_") and default_folder(shorter) != default_folder(summary())
 
 
 def test_token_units_and_probe_examples_ignore_a_template():

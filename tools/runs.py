@@ -57,6 +57,8 @@ def _attention_label(data: dict, trained: dict | None) -> str:
         diff.append(f"context={data['max_length']}")
     if data.get("limit"):
         diff.append(f"limit={data['limit']}")
+    for key, value in (data.get("setting") or {}).items():  # an analysis run otherwise than its default
+        diff.append(f"{key}={Path(str(value)).name if key == 'text' else value}")
     return f" [{', '.join(diff)}]" if diff else ""
 
 
