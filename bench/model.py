@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -105,6 +106,9 @@ def main():
     cfg = model_config(args.model)
     n = args.seq_len or cfg.max_seq_len
     cfg.max_seq_len = max(cfg.max_seq_len, n)
+    if args.window >= n:
+        print(f"note: --window {args.window} >= n={n}: every variant attends to the whole sequence, so this times the "
+              "variants' overheads, not what the band saves (give --window < n, e.g. --window 32)", file=sys.stderr)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, n + 1), device=device)
     autocast = device.type == "cuda"
     rows = []

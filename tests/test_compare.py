@@ -189,6 +189,19 @@ def test_evals_of_a_run_copied_without_checkpoints_are_still_the_final_ones(tmp_
     assert read_evals(run) == {"probe_needle/acc": 0.9}
 
 
+def test_the_answer_accuracy_a_probe_run_logs_is_a_column(tmp_path):
+    from tools.compare import compare
+
+    run = _fake_run(tmp_path, "probe", rows=[(0, 9, 2.0, 320, "")])
+    with open(run / "metrics.csv", "a") as f:  # what a data.loss_only_after run logs at its validations
+        f.write("0,9,,,1.5,0.75\n")
+    lines = (run / "metrics.csv").read_text().splitlines()
+    (run / "metrics.csv").write_text("\n".join([lines[0] + ",val/answer_acc"] + lines[1:]) + "\n")
+    result = compare([str(run)], plots=False)
+    assert result["rows"][0]["eval:val/answer_acc"] == 0.75 and "val/answer_acc" in result["markdown"]
+    assert (run / "compare" / "compare.md").is_file()  # one run given: beside it
+
+
 def test_evals_on_a_limited_number_of_examples_are_keyed_apart(tmp_path):
     """A smoke test (eval.limit=10) run after the full evaluation replaced the run's score, newest winning."""
     import time

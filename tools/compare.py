@@ -8,7 +8,7 @@ val perplexity, tokens/s, parameters, eval metrics of the final checkpoint under
 summary per configuration (variant, window and any other config key its runs differ in; mean ± std over seeds), and
 writes compare.md and val_loss_vs_tokens.png (validation and training loss against training tokens, one colour per
 configuration, thin lines per run, mean and min-max band across seeds) to --out (default: <the single directory
-given>/compare, else ./compare).
+given>/compare, a sweep's or a run's, else ./compare).
 """
 
 from __future__ import annotations
@@ -41,8 +41,14 @@ def _params(n):
     return "—" if n is None else f"{n / 1e6:.2f}M"
 
 
+# metrics.csv values shown beside the eval scores when a run logs them (the probe presets' headline: the accuracy of
+# the answers, data.loss_only_after)
+LOGGED_SCORES = ("val/answer_acc",)
+
+
 def run_rows(runs: list[Run]) -> tuple[list[dict], list[str]]:
-    eval_keys = sorted({k for r in runs for k in r.evals})
+    logged = [k for k in LOGGED_SCORES if any(r.last(k) is not None for r in runs)]
+    eval_keys = logged + sorted({k for r in runs for k in r.evals})
     rows = []
     param_cache: dict[str, int | None] = {}
     for r in runs:
@@ -57,7 +63,8 @@ def run_rows(runs: list[Run]) -> tuple[list[dict], list[str]]:
             "tokens": r.steps * per if r.steps and per else None,
             "train_loss": r.last("train/loss"), "val_loss": r.last("val/loss"),
             "val_ppl": r.last("val/ppl"), "tokens_per_s": statistics.median(tps) if tps else None,
-            "params": param_cache[key], **{f"eval:{k}": r.evals.get(k) for k in eval_keys},
+            "params": param_cache[key],
+            **{f"eval:{k}": r.last(k) if k in logged else r.evals.get(k) for k in eval_keys},
         })
     return rows, eval_keys
 
@@ -200,9 +207,8 @@ def compare(paths, out: Path | None = None, plots: bool = True) -> dict:
     text = ("## Runs\n\n" + markdown_table(rows, eval_keys) + "\n\n## Per configuration (mean ± std over seeds)\n\n"
             + summary_table(rows, eval_keys) + "\n\nFinal values = last logged; tokens/s = median over the run; "
             "params rebuilt from config.yaml on the meta device.\n")
-    if out is None:
-        out = Path(paths[0]) / "compare" if len(paths) == 1 and not (Path(paths[0]) / "metrics.csv").is_file() \
-            else Path("compare")
+    if out is None:  # beside the one folder given (a sweep, or a run: <run>/compare), else ./compare
+        out = Path(paths[0]) / "compare" if len(paths) == 1 else Path("compare")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "compare.md", text)
     files = [out / "compare.md"]
