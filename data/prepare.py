@@ -66,9 +66,9 @@ def _plain(obj):
 
 def cache_key(cfg: dict) -> str:
     source = dict(cfg["source"])
-    if source["kind"] == "files":  # the files' identity: path, size and mtime
-        source["files"] = [(f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns)
-                           for f in sources.resolve_files(source["paths"])]
+    if source["kind"] == "files":  # the files' identity (absolute path, size, mtime), however the paths were spelled
+        files = sources.resolve_files(source.pop("paths"))
+        source["files"] = [(os.path.abspath(f), Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files]
     if source["kind"] == "embedded":  # the text is this Python's stdlib docstrings, which change between versions
         source["python"] = list(sys.version_info[:2])
     tok = dict(cfg["tokenizer"])

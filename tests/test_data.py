@@ -285,6 +285,8 @@ def test_prepare_round_trip_and_cache(tmp_path, corpus_file):
     mtime = (first.root / "meta.json").stat().st_mtime_ns
     again = prepare(cfg, tmp_path / "cache", progress=False)
     assert again.root == first.root and (again.root / "meta.json").stat().st_mtime_ns == mtime  # reused
+    for spelling in (corpus_file.parent, corpus_file.parent / "*.jsonl"):  # the same files, named otherwise
+        assert prepare(data_cfg([spelling]), tmp_path / "cache", progress=False).root == first.root, spelling
     other = prepare(data_cfg([corpus_file], vocab=320), tmp_path / "cache", progress=False)
     assert other.root != first.root  # another input hash, another folder
 
