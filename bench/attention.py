@@ -236,14 +236,20 @@ def ratios_table(rows) -> str:
                 lines.append(
                     f"| {n} | {backend} | {'fwd' if metric == 'fwd_ms' else 'fwd+bwd'} | {_fmt(f)} | "
                     f"{_fmt(swa[metric] if swa else None)} | {_fmt(sa[metric])} | "
-                    f"{_fmt(gated[metric] if gated else None)} | {_fmt(f / sa[metric] if f else None, '.2f')}x | "
+                    f"{_fmt(gated[metric] if gated else None)} | {_times(f / sa[metric] if f else None)} | "
                     f"{_fmt(sa[metric] / swa[metric] if swa else None, '.3f')} |")
     return "\n".join(lines)
 
 
+def _times(ratio) -> str:
+    return _fmt(ratio, ".2f") + ("x" if ratio is not None else "")
+
+
 def memory_table(rows) -> str:
-    """Markdown: peak MiB of one call per (n, backend) and variant (forward + backward where timed, else forward)."""
+    """Markdown: peak MiB of one call per (n, backend) and variant (forward + backward where timed, else forward;
+    SA / full only where both peaks are of the same call: flex on the CPU has no backward)."""
     peak = {(r["n"], r["variant"], r["backend"]): r["peak_mb"] for r in rows}
+    backward = {(r["n"], r["variant"], r["backend"]): r.get("fwd_bwd_ms") is not None for r in rows}
     lines = ["| n | backend | full (SDPA) MiB | SWA MiB | SA MiB | gated MiB | SA / full |",
              "|---|---|---|---|---|---|---|"]
     for n in sorted({r["n"] for r in rows}):
@@ -253,7 +259,8 @@ def memory_table(rows) -> str:
             if sa is None and swa is None and gated is None:
                 continue
             cells = " | ".join(_fmt(x, ".0f") for x in (full, swa, sa, gated))
-            ratio = _fmt(sa / full if full and sa is not None else None, ".2f")
+            same_call = backward.get((n, "sa", backend)) == backward.get((n, "full", "sdpa"))
+            ratio = _fmt(sa / full if full and sa is not None and same_call else None, ".2f")
             lines.append(f"| {n} | {backend} | {cells} | {ratio} |")
     return "\n".join(lines)
 
