@@ -27,7 +27,8 @@ $PY -c "import torch, triton; print('torch', torch.__version__, '| triton', trit
 
 echo "== 1. Triton kernel tests on the GPU (bf16 / long-sequence tests included; one pinned config), compiled blocks"
 SA_TRITON_AUTOTUNE=0 timeout "$(lim "${TEST_TIMEOUT:-80}")" $PY -m pytest -q -m "not slow" -n "${TEST_WORKERS:-12}" \
-    -o addopts="" tests/test_kernels_triton.py tests/test_compile.py > "$OUT/tests.log" 2>&1
+    -o addopts="" tests/test_kernels_triton.py tests/test_compile.py \
+    tests/test_attention.py::test_torch_backend_on_cuda_matches_the_reference > "$OUT/tests.log" 2>&1
 echo "pytest exit code $?"; grep -E "passed|failed|Error|FAILED" "$OUT/tests.log" | tail -15
 
 echo "== 1b. what this Triton version's compiler makes of the kernels (pipeline depth, registers; no launch)"

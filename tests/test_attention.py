@@ -101,6 +101,25 @@ def test_backend_matches_dense_reference(backend, B, Hq, Hkv, n, D, window, perm
             assert g.abs().max() <= 1e-5  # exactly zero in exact arithmetic
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # fp64: what backend=auto gives this path on CUDA
+@pytest.mark.parametrize("perm_kind", [None, "shared", "batch"])
+def test_torch_backend_on_cuda_matches_the_reference(dtype, perm_kind):
+    """The blocked layout through public SDPA and autograd, the torch backend's path on a GPU (n > DENSE_MAX_N)."""
+    q, k, v = (t.detach().to("cuda", dtype).requires_grad_() for t in make_qkv(2, 4, 2, 700, 32, seed=7))
+    perm = make_perm(perm_kind, 2, 700, seed=7)
+    perm = None if perm is None else perm.cuda()
+    ref = dense_reference(q, k, v, 33, perm)
+    grad_out = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
+    out = banded_attention(q, k, v, 33, perm=perm, backend="torch")
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert rel_err(out, ref) <= 1e-5
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert rel_err(g, r) <= 1e-5, f"d{name}"
+
+
 @pytest.mark.parametrize(
     "B,Hq,Hkv,n,D,window,perm_kind",
     [(2, 4, 2, 257, 64, 64, "batch"), (2, 4, 1, 1000, 16, 3, None), (1, 2, 2, 130, 64, 300, "shared"),
