@@ -369,7 +369,7 @@ def _wandb_run_id(run_dir: Path, resume_step: int | None) -> str:
 
 
 EARLIER_RUN_FILES = ("metrics.csv", "hparams.yaml", "config.yaml", "overrides.yaml", "git_revision.txt", "eval",
-                     WANDB_ID_FILE)
+                     "compare", WANDB_ID_FILE)
 
 
 def _is_global_zero_from_env() -> bool:

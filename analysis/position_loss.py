@@ -10,7 +10,8 @@ documents (none crosses a document boundary, so position t has t tokens of its d
 all such windows, up to `windows` of them; the loss at position t is the mean next-token loss there (nats), over the
 windows and, for SA and gated SA+SWA, over `seeds` eval permutation seeds. `context` past the trained max_seq_len
 builds the model for it (RoPE positions never seen in training). Writes results.json and results.md per run to
-<run dir>/eval/position_loss_<context>/ (tools.compare reads the mean and the last bucket's) and, for all runs together,
+<run dir>/eval/position_loss_<context>/ (tools.compare reads the mean and the last bucket's; another checkpoint,
+attention, seeds, text or number of windows gets a folder of its own, named as probe_eval's) and, for all runs together,
 position_loss.{json,md,png} to out= (default: the one run's folder, or runs/analysis/position_loss for several).
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.probe_eval import parse_args, run_dir_of, setting_suffix
+from analysis.probe_eval import default_folder, parse_args, run_dir_of
 from data.shards import atomic_write_text
 
 DEFAULTS = {"ckpt": None, "text": None, "text_field": "text", "context": None, "windows": 128, "buckets": 12,
@@ -187,14 +188,18 @@ def plot(runs: list[dict], path: Path) -> None:
 
 
 def _folder(run: dict) -> str:
-    """eval/<this>: by context, and by a hash of the other settings when they are not the defaults (another text or
-    number of windows is another measurement: it must not overwrite the default one)."""
-    return f"position_loss_{run['max_length']}{setting_suffix(run['setting'])}"
+    """eval/<this>: position_loss_<context> for the final checkpoint at its trained attention and the default text,
+    else named as probe_eval names its folders (the checkpoint, the attention, the seeds, a hash of other settings),
+    so that another measurement never overwrites the default one."""
+    return default_folder(run, prefix=f"position_loss_{run['max_length']}")
 
 
 def main(argv=None) -> int:
     given, attention = parse_args(list(sys.argv[1:] if argv is None else argv), DEFAULTS, INT_KEYS)
     given = {**DEFAULTS, **given}
+    given["text"] = given["text"] or None  # text= (empty): the run's validation shard, as when not given
+    if given["text"] is None:
+        given["text_field"] = DEFAULTS["text_field"]  # a field of no text given: nothing to measure otherwise
     for key in ("windows", "buckets", "seeds", "batch_size"):
         if int(given[key]) < 1:
             raise SystemExit(f"error: {key}={given[key]} must be >= 1")

@@ -293,11 +293,11 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def default_folder(summary: dict) -> str:
+def default_folder(summary: dict, prefix: str = "probes") -> str:
     """eval/<this>: "probes" for the final checkpoint at its trained attention and probe settings, else named by what
     differs (the checkpoint, the attention, the seeds, a hash of other probe settings), so scoring step 280, another
     window or another context never overwrites the final result."""
-    parts = ["probes"]
+    parts = [prefix]
     if Path(summary["checkpoint"]).name != "last.ckpt":
         parts.append(Path(summary["checkpoint"]).stem)
     trained = (summary.get("trained_attention") or {})

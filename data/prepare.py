@@ -64,9 +64,15 @@ def _plain(obj):
     return obj
 
 
-def cache_key(cfg: dict) -> str:
+def cache_key(cfg: dict, spelled_paths: bool = False) -> str:
+    """The hash of what the prepared data depends on. Local files count by identity (absolute path, size, mtime, in
+    order), however their paths were written; `spelled_paths`: the key of caches made before 2026-12-02, which
+    hashed the paths as written and the files as resolved from them."""
     source = dict(cfg["source"])
-    if source["kind"] == "files":  # the files' identity (absolute path, size, mtime), however the paths were spelled
+    if source["kind"] == "files" and spelled_paths:
+        source["files"] = [(f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns)
+                           for f in sources.resolve_files(source["paths"])]
+    elif source["kind"] == "files":
         files = sources.resolve_files(source.pop("paths"))
         source["files"] = [(os.path.abspath(f), Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files]
     if source["kind"] == "embedded":  # the text is this Python's stdlib docstrings, which change between versions
@@ -166,9 +172,19 @@ def tokenizer_threads():
 
 
 def prepared_root(cfg, cache_dir: str | Path) -> Path:
-    """Where prepare() keeps (or would build) the shards of `cfg`."""
+    """Where prepare() keeps (or would build) the shards of `cfg`: an existing folder under the key of before
+    2026-12-02 (finished, or an interrupted preparation to resume) is found too, so no corpus is tokenized again."""
     cfg = _plain(cfg)
-    return Path(cache_dir) / f"{cfg['source']['kind']}-{cache_key(cfg)}"
+    root = Path(cache_dir) / f"{cfg['source']['kind']}-{cache_key(cfg)}"
+    if cfg["source"]["kind"] == "files" and not _started(root):
+        legacy = Path(cache_dir) / f"files-{cache_key(cfg, spelled_paths=True)}"
+        if _started(legacy):
+            return legacy
+    return root
+
+
+def _started(root: Path) -> bool:
+    return (root / "meta.json").is_file() or (root / PROGRESS).is_file()
 
 
 @contextmanager

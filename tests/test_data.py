@@ -287,6 +287,12 @@ def test_prepare_round_trip_and_cache(tmp_path, corpus_file):
     assert again.root == first.root and (again.root / "meta.json").stat().st_mtime_ns == mtime  # reused
     for spelling in (corpus_file.parent, corpus_file.parent / "*.jsonl"):  # the same files, named otherwise
         assert prepare(data_cfg([spelling]), tmp_path / "cache", progress=False).root == first.root, spelling
+    from data.prepare import cache_key
+
+    legacy = tmp_path / "cache" / f"files-{cache_key(cfg, spelled_paths=True)}"  # the key before 2026-12-02
+    first.root.rename(legacy)
+    found = prepare(cfg, tmp_path / "cache", progress=False)
+    assert found.root == legacy and (legacy / "meta.json").stat().st_mtime_ns == mtime  # found, not tokenized again
     other = prepare(data_cfg([corpus_file], vocab=320), tmp_path / "cache", progress=False)
     assert other.root != first.root  # another input hash, another folder
 

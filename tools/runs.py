@@ -58,7 +58,7 @@ def _attention_label(data: dict, trained: dict | None) -> str:
     if data.get("limit"):
         diff.append(f"limit={data['limit']}")
     for key, value in (data.get("setting") or {}).items():  # an analysis run otherwise than its default
-        diff.append(f"{key}={Path(str(value)).name if key == 'text' else value}")
+        diff.append(f"{key}={value}")  # in full: books.jsonl in two folders are two texts
     return f" [{', '.join(diff)}]" if diff else ""
 
 
