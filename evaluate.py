@@ -140,7 +140,8 @@ def _attention_given() -> set[str]:
     from hydra.core.hydra_config import HydraConfig
 
     keys = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
-    return {k.split(".", 1)[1] for k in keys if k.startswith("attention.")} | ({"kind"} if "attention" in keys else set())
+    given = {k.split(".", 1)[1] for k in keys if k.startswith("attention.")}
+    return given | {"kind"} if "attention" in keys else given
 
 
 def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path, given: set[str] | None = None):
@@ -223,10 +224,10 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
     # a column per suite task (accuracy in %; not one per MMLU subject), then the perplexities
     from evaluation.report import primary_accuracy
 
-    accuracies = [task for task in tasks if task in primary_scores(per_seed[0])]
-    columns = accuracies + list(_perplexities(per_seed[0]))
-    titles = [f"{task} {primary_accuracy(task)} %" for task in accuracies] + \
-        [key.replace("/", " ") for key in _perplexities(per_seed[0])]
+    accuracies = [task for task in tasks if task in runs[0]]
+    perplexities = list(_perplexities(per_seed[0]))
+    columns = accuracies + perplexities
+    titles = [f"{task} {primary_accuracy(task)} %" for task in accuracies] + [k.replace("/", " ") for k in perplexities]
     lines = ["| model | attention | w_eff | " + " | ".join(titles) + " |",
              "|---|---|---|" + "---|" * len(columns),
              f"| {name} | {kind} | {window or '-'} | " + " | ".join(cell(c) for c in columns) + " |"]

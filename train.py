@@ -164,7 +164,7 @@ def _check_trainer_and_optim(cfg: DictConfig):
     schedule = int(steps or t.max_steps)
     if int(o.warmup_steps) >= schedule:  # legal (short test runs), but rarely meant
         say(f"warning: optim.warmup_steps={o.warmup_steps} >= the schedule's {schedule} steps: the learning rate "
-        "never leaves warmup (no decay)")
+            "never leaves warmup (no decay)")
     from model.lightning_module import SCHEDULES
 
     if o.get("schedule", "cosine") not in SCHEDULES:

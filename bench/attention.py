@@ -4,7 +4,8 @@
     python -m bench.attention                      # on a CUDA GPU: bf16, n up to 32768, backends triton and flex
     python -m bench.attention --graphs             # GPU time alone: calls replayed from a CUDA graph
 
-Prints a markdown table with the ratios full/SA (SA's speed-up) and SA/SWA (SA's cost), writes CSV and a PNG plot to bench/results/.
+Prints a markdown table with the ratios full/SA (SA's speed-up) and SA/SWA (SA's cost), writes CSV and a PNG plot
+to bench/results/.
 A backend whose output or gradients disagree with the dense reference on a small problem is not timed.
 """
 

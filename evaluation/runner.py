@@ -43,7 +43,8 @@ def task_names(tasks) -> list[str]:
 
     names = [str(t).strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks or [])]
     if not names or not all(names):
-        raise ConfigError("eval.tasks", tasks, "give task names, e.g. eval.tasks=[wikitext,lambada_openai] or eval.tasks=wikitext")
+        raise ConfigError("eval.tasks", tasks,
+                          "give task names, e.g. eval.tasks=[wikitext,lambada_openai] or eval.tasks=wikitext")
     return names
 
 

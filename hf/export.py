@@ -7,8 +7,8 @@ The decoder is Llama's architecture (RMSNorm, RoPE with the rotate-half conventi
 embeddings), so only the parameter names change. Full attention loads as it is (transformers, vLLM, lm-eval's `hf`
 model). SWA, SA and MoBA run through this repository's patch at prefill, which reproduces the trained model's
 logits (tests/test_hf.py): `hf.load_hf_model(<out>, kind="sa", window=<w>, seed=<eval_seed>)`, or `python
-evaluate.py model.hf=<out>`, which reads the trained attention and eval seed from sa_export.json. Gated SA+SWA has gate parameters that Llama has no place for and
-is refused.
+evaluate.py model.hf=<out>`, which reads the trained attention and eval seed from sa_export.json. Gated SA+SWA has
+gate parameters that Llama has no place for and is refused.
 """
 
 from __future__ import annotations
