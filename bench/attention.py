@@ -303,6 +303,23 @@ def save(rows, out_dir: Path, tag: str):
     fig.savefig(out_dir / f"attention_{tag}.png", dpi=120)
 
 
+DEFAULT_N = [2048, 4096, 8192, 16384, 32768]
+DEFAULT_SHAPE = {"batch": 1, "heads": 16, "head_dim": 64, "window": 256}
+SHAPE_LETTERS = {"batch": "b", "heads": "h", "head_dim": "d", "window": "w"}
+
+
+def shape_suffix(args) -> str:
+    """The file name's part for settings off the default table (B=1, H=16, D=64, w=256; the default n, every
+    variant and backend), so that a run at another shape or subset does not overwrite the default table's files."""
+    parts = [f"{SHAPE_LETTERS[k]}{getattr(args, k)}" for k, v in DEFAULT_SHAPE.items() if getattr(args, k) != v]
+    if args.n != DEFAULT_N:
+        parts.append("n" + "-".join(map(str, args.n)))
+    for subset in (args.variants, args.backends):
+        if subset:
+            parts.append("-".join(subset))
+    return "".join(f"_{p}" for p in parts)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, nargs="+", default=None)
@@ -323,13 +340,13 @@ def main():
     args = p.parse_args()
     keep_freed_memory()  # as train.py does; SA_CPU_MALLOC=0 measures glibc's default behaviour
     cuda = torch.cuda.is_available() and args.device != "cpu"
-    args.n = args.n or [2048, 4096, 8192, 16384, 32768]
+    args.n = args.n or list(DEFAULT_N)
     if args.full_max_n is None and not cuda:
         args.full_max_n = 16384
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
     if args.graphs and not cuda:
         p.error("--graphs needs a CUDA device")
-    tag = f"{'gpu' if cuda else 'cpu'}_{args.dtype}{'_graphs' if args.graphs else ''}"
+    tag = f"{'gpu' if cuda else 'cpu'}_{args.dtype}{'_graphs' if args.graphs else ''}{shape_suffix(args)}"
     rows = run(args, args.out / f"attention_{tag}.csv")
     if not rows:
         sys.exit("nothing was timed: no backend passed its correctness gate, or every case failed (see above)")

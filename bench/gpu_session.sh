@@ -60,19 +60,19 @@ pack
 echo "== 3. attention benchmark (bf16, B=1 H=16 D=64 w=256, n=2048..32768; triton and SDPA; flex in stage 7)"
 timeout "$(lim "${BENCH_TIMEOUT:-150}")" $PY -m bench.attention --backends triton --out "$RES" 2>&1 \
     | tee "$OUT/bench.log" | grep -v "^n="; status 3 "${PIPESTATUS[0]}"
-cp "$RES/attention_gpu_bf16.csv" "$OUT/" 2>/dev/null
+cp "$RES"/attention_gpu_*.csv "$OUT/" 2>/dev/null
 
 pack
 echo "== 4. GPU time alone (calls replayed from a CUDA graph: no host launch cost, and a warm L2): triton vs SDPA"
 timeout "$(lim "${GRAPHS_TIMEOUT:-45}")" $PY -m bench.attention --graphs --n 2048 8192 32768 --backends triton \
     --out "$RES/graphs" 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^n="; status 4 "${PIPESTATUS[0]}"
-cp "$RES/graphs/attention_gpu_bf16_graphs.csv" "$OUT/" 2>/dev/null
+cp "$RES"/graphs/attention_gpu_*.csv "$OUT/" 2>/dev/null
 
 pack
 echo "== 5. attention benchmark, paper-like batch: B=8 H=16 D=64 w=256 (triton vs SDPA)"
 timeout "$(lim "${BENCH_B8_TIMEOUT:-45}")" $PY -m bench.attention --batch 8 --n 2048 8192 --backends triton \
     --out "$RES/b8" 2>&1 | tee "$OUT/bench_b8.log" | grep -v "^n="; status 5 "${PIPESTATUS[0]}"
-cp "$RES/b8/attention_gpu_bf16.csv" "$OUT/attention_gpu_bf16_b8.csv" 2>/dev/null
+cp "$RES"/b8/attention_gpu_*.csv "$OUT/" 2>/dev/null
 
 pack
 echo "== 6. whole model: 360M decoder, B=8, n=2048, bf16 autocast, fwd+bwd per variant"
@@ -84,7 +84,7 @@ pack
 echo "== 7. FlexAttention SA/SWA, the peer the Triton kernels must beat (its GPU code is unchanged since 2026-11-30)"
 timeout "$(lim "${FLEX_TIMEOUT:-60}")" $PY -m bench.attention --backends flex --n 2048 8192 32768 \
     --out "$RES/flex" 2>&1 | tee "$OUT/bench_flex.log" | grep -v "^n="; status 7 "${PIPESTATUS[0]}"
-cp "$RES/flex/attention_gpu_bf16.csv" "$OUT/attention_gpu_bf16_flex.csv" 2>/dev/null
+cp "$RES"/flex/attention_gpu_*.csv "$OUT/" 2>/dev/null
 pack
 echo "== 8. whole model with compiled blocks (trainer.compile), gated SA+SWA; its eager time is stage 6's"
 timeout "$(lim "${MODEL_COMPILE_TIMEOUT:-90}")" $PY -m bench.model --model 360m --batch 8 --variants gated_sa_swa \

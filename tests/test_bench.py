@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import subprocess
@@ -27,12 +28,13 @@ def test_attention_benchmark_writes_table_csv_and_plot(tmp_path):
                        "--head-dim", "16", "--reps", "1", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "correctness gate torch: ok" in proc.stdout
-    rows = list(csv.DictReader(open(out / "attention_cpu_fp32.csv")))
+    tag = "cpu_fp32_h2_d16_w16_n64-96"  # the settings off the default table name the files
+    rows = list(csv.DictReader(open(out / f"attention_{tag}.csv")))
     assert {(r["n"], r["variant"]) for r in rows} == {(n, v) for n in ("64", "96")
                                                       for v in ("full", "swa", "sa", "gated_sa_swa")}
     assert all(float(r["fwd_ms"]) > 0 and float(r["fwd_bwd_ms"]) > 0 and float(r["peak_mb"]) > 0 for r in rows)
-    assert (out / "attention_cpu_fp32.png").stat().st_size > 0
-    table = (out / "attention_cpu_fp32.md").read_text()
+    assert (out / f"attention_{tag}.png").stat().st_size > 0
+    table = (out / f"attention_{tag}.md").read_text()
     assert table.count("| 64 | torch |") == 3 and table.count("| 96 | torch |") == 3  # fwd, fwd+bwd, memory
 
 
@@ -84,7 +86,17 @@ def test_attention_benchmark_subset_of_variants(tmp_path):
     proc = run_module(["bench.attention", "--device", "cpu", "--n", "64", "--window", "16", "--heads", "2",
                        "--head-dim", "16", "--reps", "1", "--variants", "sa", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "| 64 | torch | fwd | - | - |" in (out / "attention_cpu_fp32.md").read_text()
+    assert "| 64 | torch | fwd | - | - |" in (out / "attention_cpu_fp32_h2_d16_w16_n64_sa.md").read_text()
+
+
+def test_attention_benchmark_files_are_named_by_the_settings_off_the_default_table():
+    from bench.attention import DEFAULT_N, shape_suffix
+
+    default = argparse.Namespace(batch=1, heads=16, head_dim=64, window=256, n=list(DEFAULT_N), variants=None,
+                                 backends=None)
+    assert shape_suffix(default) == ""  # the table BENCHMARKS.md quotes keeps its plain name
+    b8 = argparse.Namespace(**{**vars(default), "batch": 8, "n": [2048, 8192], "backends": ["triton"]})
+    assert shape_suffix(b8) == "_b8_n2048-8192_triton"
 
 
 def test_a_backend_that_fails_its_gate_is_not_timed(tmp_path, monkeypatch):
