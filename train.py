@@ -33,6 +33,10 @@ def check_config(cfg: DictConfig):
     from data.prepare import validate_data_config
     from model.config import AttentionConfig, ConfigError, ModelConfig, from_mapping
 
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:  # a preset's required value (???) left unset: name it, not the error reading '???' causes later
+        raise ConfigError(missing[0], "???", f"a value the chosen preset requires; give it on the command line: "
+                          f"{missing[0]}=<value>")
     model_cfg = from_mapping(ModelConfig, cfg.model, "model")
     attn_cfg = from_mapping(AttentionConfig, cfg.attention, "attention")
     if cfg.data.seq_len < 1:

@@ -125,6 +125,22 @@ def test_bad_config_is_refused_with_its_key(override, key, tmp_path, corpus_file
     assert err.value.key == key and key in str(err.value)
 
 
+@pytest.mark.parametrize("data,key", [("files", "data.source.paths"), ("hf", "data.source.name")])
+def test_a_required_value_left_unset_is_named(data, key, tmp_path):
+    cfg = compose_train(TINY + [f"data={data}"], tmp_path)
+    with pytest.raises(ConfigError, match=f"give it on the command line: {key}=<value>") as err:
+        check_config(cfg)
+    assert err.value.key == key
+
+
+def test_any_hub_dataset_is_one_preset_and_slimpajama_is_that_preset_with_a_name(tmp_path):
+    cfg = compose_train(TINY + ["data=hf", "data.source.name=some/dataset", "data.source.revision=abc"], tmp_path)
+    assert (cfg.data.source.kind, cfg.data.source.name, cfg.data.source.revision) == ("hf", "some/dataset", "abc")
+    check_config(cfg)
+    slim = compose_train(["data=slimpajama"], tmp_path).data.source
+    assert dict(slim) == {**dict(cfg.data.source), "name": "cerebras/SlimPajama-627B", "revision": None}
+
+
 def test_triton_training_on_the_cpu_is_refused_without_the_interpreter(tmp_path, corpus_file, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("the Triton backend runs on this machine's GPU")
