@@ -208,3 +208,31 @@ def test_vocabulary_smaller_than_tokenizer_is_refused(tmp_path, corpus_file, dat
     with pytest.raises(ConfigError, match="model.vocab_size"):
         train(cfg)
     assert not Path(tmp_path / "b" / "checkpoints").exists()
+
+
+def _readme_train_commands() -> list[list[str]]:
+    """The overrides of every `python train.py ...` line in README.md's code blocks (continuations joined,
+    placeholders such as <config> filled in, a sweep's first value)."""
+    import re
+    import shlex
+
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    commands = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#")[0] if "python train.py" in line.split("#")[0] else ""
+            if not line:
+                continue
+            words = shlex.split(re.sub(r"<[^>]*>", "x", line.split("python train.py", 1)[1]))
+            commands.append([w.split(",")[0] if "=" in w and not w.startswith("data.source.paths") else w
+                             for w in words if w != "-m"])
+    return commands
+
+
+def test_every_train_command_in_the_readme_composes(tmp_path):
+    commands = _readme_train_commands()
+    assert len(commands) >= 5 and ["data=hf", "data.source.name=x", "data.source.config=x",
+                                   "data.max_tokens=1000000000"] in commands
+    for overrides in commands:
+        compose_train(overrides, tmp_path / "run")  # a key the configs do not have fails here
