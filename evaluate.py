@@ -249,4 +249,6 @@ def _perplexities(results: dict) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    from tools.config_hints import run_with_key_hints
+
+    run_with_key_hints(main, "evaluate")

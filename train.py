@@ -875,4 +875,6 @@ def main(cfg: DictConfig):
 
 
 if __name__ == "__main__":
-    main()
+    from tools.config_hints import run_with_key_hints
+
+    run_with_key_hints(main, "train")

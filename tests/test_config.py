@@ -236,3 +236,38 @@ def test_every_train_command_in_the_readme_composes(tmp_path):
                                    "data.max_tokens=1000000000"] in commands
     for overrides in commands:
         compose_train(overrides, tmp_path / "run")  # a key the configs do not have fails here
+
+
+def test_a_misspelled_key_on_the_command_line_gets_a_did_you_mean():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "train.py", "attention=sa", "attention.windwo=64"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "not in struct" in proc.stderr  # Hydra's own refusal, before any work
+    assert "hint: 'attention.windwo' is not a key of this config; did you mean 'attention.window'?" in proc.stderr
+
+
+def test_key_hints_for_each_entry_point():
+    from tools.config_hints import unknown_key_hints
+
+    assert unknown_key_hints("train", ["attention=sa", "attention.window=64", "seed=3"]) == []  # all known
+    assert unknown_key_hints("train", ["-m", "attention=full,sa", "trainer.lr=1"]) == [
+        "hint: 'trainer.lr' is not a key of this config; did you mean 'optim.lr'?"]
+    # a preset's own keys are known once its group choice is composed
+    assert unknown_key_hints("train", ["experiment=paper_360m", "train_tokens=1000"]) == []
+    assert unknown_key_hints("train", ["train_tokens=1000"]) == [
+        "hint: 'train_tokens' is not a key of this config; the keys at the top: "
+        + ", ".join(sorted(compose_keys("train")))]
+    assert "did you mean 'eval.num_seeds'?" in unknown_key_hints("evaluate", ["eval.num_seed=2"])[0]
+    assert "did you mean 'top_k' or 'top_p'?" in unknown_key_hints("sample", ["top_kk=3"])[0]
+    assert unknown_key_hints("train", ["+model.n_experts=8", "hydra.run.dir=x"]) == []  # additions: not typos
+
+
+def compose_keys(config_name: str) -> list[str]:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        return list(compose(config_name=config_name))

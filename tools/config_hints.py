@@ -1,0 +1,94 @@
+"""A "did you mean" for the command line's most common mistake: a misspelled config key.
+
+Hydra refuses `attention.windwo=64` with "Key 'windwo' is not in struct" and suggests `+attention.windwo=64`, which
+adds the typo as a new key. The entry points run their Hydra main through `run_with_key_hints`: when Hydra stops with
+an error, the config is composed again with the command line's group choices only (`attention=sa`,
+`experiment=...`) and every dotted key the command line sets that the config lacks is named with its closest keys.
+A launch that works pays nothing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(group choices, dotted keys set) of the command line's overrides; sweeps take their first value."""
+    groups, keys = [], []
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        if key.startswith(("+", "~", "hydra.")) or key == "hydra":
+            continue
+        group = key.split("@")[0]
+        if "." not in group and (CONF / group).is_dir():
+            groups.append(f"{key}={value.split(',')[0]}")
+        else:
+            keys.append(key)
+    return groups, keys
+
+
+def _all_keys(node, prefix: str = "") -> list[str]:
+    from omegaconf import DictConfig
+
+    out = []
+    for key in node.keys() if isinstance(node, DictConfig) else []:
+        full = f"{prefix}{key}"
+        out.append(full)
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            out += _all_keys(child, full + ".")
+    return out
+
+
+def unknown_key_hints(config_name: str, argv: list[str]) -> list[str]:
+    """One line per dotted key of `argv` that the composed config does not have, with the closest existing keys."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    groups, keys = _split(argv)
+    if not keys:
+        return []
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+            cfg = compose(config_name=config_name, overrides=groups)
+    except Exception:  # noqa: BLE001 - the group choices are wrong themselves: Hydra's own message says so
+        return []
+    finally:
+        GlobalHydra.instance().clear()
+    known = _all_keys(cfg)
+    hints = []
+    for key in keys:
+        if key in known:
+            continue
+        parent, _, leaf = key.rpartition(".")
+        siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
+        close = [siblings[c] for c in difflib.get_close_matches(leaf, siblings, n=2, cutoff=0.7)]
+        if not close and parent:  # a key put in the wrong section: trainer.lr for optim.lr
+            close = [k for k in known if k.rpartition(".")[2] == leaf][:2]
+        if close:
+            guess = f"did you mean {' or '.join(repr(c) for c in close)}?"
+        elif siblings:
+            guess = f"the keys {'under ' + repr(parent) if parent else 'at the top'}: {', '.join(sorted(siblings))}"
+        else:
+            guess = f"{parent!r} is not a section of this config"
+        hints.append(f"hint: {key!r} is not a key of this config; {guess}")
+    return hints
+
+
+
+def run_with_key_hints(main, config_name: str):
+    """Run a @hydra.main function; if Hydra stops with an error, name the misspelled keys of the command line."""
+    try:
+        main()
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            for line in unknown_key_hints(config_name, sys.argv[1:]):
+                print(line, file=sys.stderr)
+        raise
