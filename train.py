@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
@@ -649,6 +651,10 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     accumulate = None if prepare_only else _accumulation(cfg, world)  # refused before the data preparation
 
     ckpt = _resume_checkpoint(cfg, ckpt_dir)
+    if cfg.resume == "auto" and ckpt is None:  # said before the data is prepared: a mistyped run dir shows at once
+        what = ("the run recorded there, as it was started" if (run_dir / RUN_OVERRIDES).is_file() else
+                "a new run: no run was started in this folder before (check hydra.run.dir if you meant one)")
+        console.print(f"[yellow]resume=auto[/]: no checkpoint in {ckpt_dir}; starting from step 0 {what}")
     init = None  # init_from starts a run; a resume of that run continues from its own checkpoint instead
     if ckpt is None and cfg.get("init_from"):
         from model.checkpoint import find_checkpoint
@@ -669,7 +675,11 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
         n_params = module.model.num_parameters()
         console.print(f"[bold]model[/]: {n_params / 1e6:.2f}M parameters "
                       f"({module.model.num_parameters(non_embedding=True) / 1e6:.2f}M non-embedding), "
-                      f"attention={attn_cfg.kind} window={attn_cfg.window} backend={attn_cfg.backend}")
+                      f"{attn_cfg.describe()}")
+        if attn_cfg.kind != "full" and attn_cfg.sees_every_earlier_token(int(cfg.data.seq_len)):
+            console.print(f"[yellow]attention.window={attn_cfg.window}[/] at data.seq_len={cfg.data.seq_len}: every "
+                          f"query sees every earlier token, so this {attn_cfg.kind} run is full causal attention in "
+                          "effect (a window below the context compares the variants)")
         if ckpt is not None:
             _resume_sampling(cfg, module, source, overrides, console)
         _check_against_checkpoints(module, source, ckpt is not None)  # before data work and config.yaml
@@ -727,8 +737,6 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     callbacks += [prune] if prune else []
     if cfg.trainer.progress_bar:
         callbacks.append(RichProgressBar(leave=True))
-    if cfg.resume == "auto" and ckpt is None:
-        console.print(f"[yellow]resume=auto[/]: no checkpoint in {ckpt_dir}; starting from step 0")
     # A run continues its own history only from one of its own checkpoints. Otherwise an earlier run's checkpoints
     # and metrics in this folder are moved aside: its last.ckpt would be taken for this run's (Lightning writes
     # last-v1.ckpt beside it), and its metrics.csv rows would join this run's.
@@ -738,6 +746,9 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
         if aside is not None:
             console.print(f"[yellow]{run_dir}[/] held an earlier run's files: moved to {aside}")
     resume_step = source["global_step"] if resuming else None
+    if resuming:  # Lightning warns about the run's own checkpoints/ (a new run's earlier files were moved aside)
+        warnings.filterwarnings("ignore", message=f"Checkpoint directory {re.escape(os.path.realpath(ckpt_dir))} "
+                                "exists and is not empty")
 
     def record_run():
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -206,8 +206,16 @@ def main(argv=None) -> int:
     if given["context"] is not None and int(given["context"]) < 2:
         raise SystemExit(f"error: context={given['context']} must be >= 2 tokens")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    from model.checkpoint import find_checkpoint
+
+    ckpts = [c for c in str(given["ckpt"]).split(",") if c]
+    for ckpt in ckpts:  # every path checked before the first run is scored (minutes each)
+        try:
+            find_checkpoint(ckpt)
+        except FileNotFoundError as err:
+            raise SystemExit(f"error: {ckpt}: {err}") from None
     runs = []
-    for ckpt in [c for c in str(given["ckpt"]).split(",") if c]:
+    for ckpt in ckpts:
         try:
             run = score_run(ckpt, given, attention, log)
         except (ValueError, FileNotFoundError) as err:

@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from data.shards import atomic_write_text
+from model.config import AttentionConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 STOCHASTIC_KINDS = ("sa", "gated_sa_swa")  # attention whose eval scores depend on the permutation seed
@@ -241,6 +242,10 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         notes.append(f"context {lm.max_length} tokens (trained with {trained_context}"
                      f"{'; RoPE past it is extrapolation' if lm.max_length > trained_context else ''}; "
                      "eval.max_length sets it)")
+    if kind != "full" and AttentionConfig(kind=kind, window=int(info["attention"]["window"])) \
+            .sees_every_earlier_token(lm.max_length):
+        notes.append(f"window {info['attention']['window']} at context {lm.max_length}: every query sees every "
+                     f"earlier token, so {kind} scores as full causal attention here")
     if kind not in STOCHASTIC_KINDS and num_seeds > 1:
         notes.append(f"attention kind={kind} is deterministic: 1 seed instead of {num_seeds}")
         num_seeds = 1

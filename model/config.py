@@ -46,6 +46,24 @@ class AttentionConfig:
         if not isinstance(self.per_sequence_perm, bool):
             raise ConfigError("attention.per_sequence_perm", self.per_sequence_perm, "true or false")
 
+    def sees_every_earlier_token(self, n: int) -> bool:
+        """Whether every query sees all earlier tokens at sequence length n: full causal attention in effect.
+
+        SWA's band (w-1, 0) spans n slots once w >= n; SA's symmetric band ((w-1)//2, w//2) spans all n slots of
+        any query once (w-1)//2 >= n-1 (kernels.default_band); gated needs both; MoBA's top-2 blocks of w//2 cover
+        the sequence once it has at most two blocks (model/attention.py)."""
+        w = self.window
+        if self.kind == "moba":
+            return -(-n // max(1, w // 2)) <= 2
+        return {"full": True, "swa": w >= n}.get(self.kind, (w - 1) // 2 >= n - 1)
+
+    def describe(self) -> str:
+        """The log's one-line summary: the window and backend only where they apply."""
+        if self.kind == "full":
+            return "attention=full (causal SDPA)"
+        return f"attention={self.kind} window={self.window}" + (
+            "" if self.kind == "moba" else f" backend={self.backend}")
+
 
 @dataclass
 class ModelConfig:

@@ -178,6 +178,9 @@ def test_position_loss_cli_past_the_trained_context(tiny_ckpt, corpus_file, tmp_
     from tools.runs import read_evals
 
     run_dir = tiny_ckpt.parent.parent
+    with pytest.raises(SystemExit, match="error: /no/such/run: "):  # a mistyped run stops before any run is scored
+        main([f"ckpt={run_dir},/no/such/run"])
+    assert not (run_dir / "eval" / "position_loss_64").exists()
     assert main([f"ckpt={run_dir}"]) == 0  # the defaults: the run's own validation shard, at the trained context
     saved = json.loads((run_dir / "eval" / "position_loss_64" / "results.json").read_text())
     assert saved["max_length"] == saved["trained_context"] == 64 and len(saved["loss"]) == 64

@@ -400,3 +400,31 @@ def test_keep_freed_memory_applies_once_and_can_be_turned_off(monkeypatch):
     assert cpu_malloc.keep_freed_memory() is first  # once per process
     big = torch.randn(3, 2**22)  # 48 MB: above glibc's largest mmap threshold, served from the heap now
     assert torch.equal(big.clone(), big)
+
+
+@pytest.mark.parametrize("kind", ["swa", "sa", "gated_sa_swa", "moba"])
+@pytest.mark.parametrize("n", [1, 2, 7, 16])
+def test_the_window_at_which_a_variant_becomes_full_attention(kind, n):
+    """AttentionConfig.sees_every_earlier_token (the warning train.py and evaluate.py give) against the masks the
+    variants run: at the smallest such window the output is full causal attention, one slot below it is not."""
+    from kernels.moba import moba_attention
+
+    q, k, v = make_qkv(1, 2, 2, n, 8, seed=n)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # pi with position 0 in the first slot and n-1 in the last: a band one slot narrower than the whole sequence
+    # hides the first token from the last query
+    perm = torch.cat([torch.tensor([0]), 1 + torch.randperm(n - 2, generator=torch.Generator().manual_seed(n)),
+                      torch.tensor([n - 1])]) if n > 1 else torch.zeros(1, dtype=torch.long)
+
+    def run(w):
+        if kind == "moba":
+            return moba_attention(q, k, v, block_size=max(1, w // 2), top_k=2)
+        paths = [(None, "swa"), (perm, "sa")] if kind == "gated_sa_swa" else [(perm if kind == "sa" else None, kind)]
+        return [naive_banded_attention(q, k, v, *default_band(w, p is not None), p) for p, _ in paths]
+
+    smallest = next(w for w in range(1, 4 * n + 4) if AttentionConfig(kind=kind, window=w).sees_every_earlier_token(n))
+    for out in (run(smallest) if kind != "moba" else [run(smallest)]):
+        assert rel_err(out, full) < 1e-5
+    if smallest > 1 and n > 1:
+        below = run(smallest - 1) if kind != "moba" else [run(smallest - 1)]
+        assert any(rel_err(out, full) > 1e-3 for out in below)  # one slot narrower: not full attention

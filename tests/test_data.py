@@ -556,14 +556,14 @@ def test_single_token_id_ignores_the_post_processor():
     assert single_token_id(tok, " ? ?") is None
 
 
-def test_cache_key_covers_the_python_version_and_the_hub_revision(monkeypatch):
+def test_cache_key_covers_the_python_version_and_the_hub_revision(monkeypatch, tmp_path):
     """The embedded corpus is this Python's stdlib; a hub dataset is pinned by its revision, which reaches the hub."""
     import sys
 
     import datasets
     from omegaconf import OmegaConf
 
-    from conftest import ROOT
+    from conftest import compose_train
     from data.prepare import cache_key
     from data.sources import documents
 
@@ -575,7 +575,7 @@ def test_cache_key_covers_the_python_version_and_the_hub_revision(monkeypatch):
     monkeypatch.undo()
     assert other_python != here == cache_key(cfg)
 
-    hub = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "data" / "slimpajama.yaml").source)
+    hub = OmegaConf.to_container(compose_train(["data=slimpajama"], tmp_path / "run").data.source)
     assert "revision" in hub and hub["revision"] is None
     seen = {}
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: seen.update(k) or [{"text": "some text"}])

@@ -676,6 +676,19 @@ def test_wikitext_past_the_trained_context(tiny_ckpt, evaldata, tmp_path, capsys
     assert summary["by_task"]["wikitext"]["word_perplexity"]["value"] > 1
 
 
+def test_a_window_that_covers_the_context_is_noted_as_full_attention(tiny_ckpt, evaldata, tmp_path, capsys):
+    from evaluation import evaluate_checkpoint
+
+    trained = int(torch.load(tiny_ckpt, weights_only=True)["hyper_parameters"]["model"]["max_seq_len"])
+    cfg = {"tasks": ["wikitext"], "data_dir": str(evaldata[0]), "limit": 1, "device": "cpu", "batch_size": 2,
+           "task_dir": str(tmp_path / "tasks")}
+    evaluate_checkpoint(tiny_ckpt, cfg, {"window": 2 * trained - 1}, tmp_path / "out")  # SA's band spans it all
+    assert f"window {2 * trained - 1} at context {trained}: every query sees every earlier token, so sa scores as " \
+        "full causal attention here" in capsys.readouterr().err
+    evaluate_checkpoint(tiny_ckpt, cfg, {"window": 2 * trained - 2}, tmp_path / "out2")
+    assert "every query sees every earlier token" not in capsys.readouterr().err
+
+
 def test_a_task_string_is_a_comma_separated_list(loaded, evaldata, tmp_path):
     """eval.tasks=lambada_openai on the command line arrives as a string, not as a list of its letters."""
     from evaluation import evaluate_checkpoint

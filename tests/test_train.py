@@ -401,6 +401,25 @@ def test_prepare_only_prepares_the_data_and_trains_nothing(tmp_path, corpus_file
     assert list(cache.glob("files-*/meta.json")) and not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_resume_auto_in_a_folder_without_a_run_says_so_before_the_data_is_prepared(tmp_path, corpus_file, capsys):
+    cache = tmp_path / "cache"
+    train(compose_train(TINY + ["prepare_only=true", "resume=auto"], tmp_path / "mistyped", corpus_file, cache))
+    err = capsys.readouterr().err
+    said = err.index("starting from step 0 a new run: no run was started in this folder before")
+    assert said < err.index("data:")  # before preparing (a mistyped run dir should not cost a tokenization)
+
+
+def test_a_window_that_covers_the_context_is_said_to_be_full_attention(tmp_path, corpus_file, data_cache, capsys):
+    cfg = compose_train(TINY + ["attention=sa", "trainer.max_steps=1"], tmp_path / "run",
+                        corpus_file, data_cache)
+    n = int(cfg.data.seq_len)
+    cfg.attention.window = 2 * n - 1  # SA's symmetric band spans every slot of every query from here on
+    train(cfg)
+    err = capsys.readouterr().err
+    assert f"attention.window={2 * n - 1} at data.seq_len={n}: every query sees every earlier token" in err
+    assert "attention=sa window=" in err and "full causal attention in effect" in err
+
+
 def test_the_resume_check_compares_models_as_built():
     from model.config import ConfigError
     from model.lightning_module import _check_resumed_config
