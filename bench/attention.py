@@ -341,12 +341,15 @@ def main():
     keep_freed_memory()  # as train.py does; SA_CPU_MALLOC=0 measures glibc's default behaviour
     cuda = torch.cuda.is_available() and args.device != "cpu"
     args.n = args.n or list(DEFAULT_N)
-    if args.full_max_n is None and not cuda:
-        args.full_max_n = 16384
+    default_full_max_n = None if cuda else 16384
+    if args.full_max_n is None:
+        args.full_max_n = default_full_max_n
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
     if args.graphs and not cuda:
         p.error("--graphs needs a CUDA device")
     tag = f"{'gpu' if cuda else 'cpu'}_{args.dtype}{'_graphs' if args.graphs else ''}{shape_suffix(args)}"
+    if args.full_max_n != default_full_max_n:  # a table without some full-attention rows
+        tag += f"_fullmax{args.full_max_n}"
     rows = run(args, args.out / f"attention_{tag}.csv")
     if not rows:
         sys.exit("nothing was timed: no backend passed its correctness gate, or every case failed (see above)")

@@ -20,6 +20,9 @@ lim() { local left=$((DEADLINE - SECONDS)); if ((left < $1)); then echo $((left 
 PACK=${PACK:-$OUT.tgz}
 pack() { tar czf "$PACK.tmp" -C "$(dirname "$OUT")" "$(basename "$OUT")" && mv "$PACK.tmp" "$PACK"; }  # atomic
 status() { echo "-- stage $1 exit code $2 (124: stopped at its time limit)"; }
+# the CSVs a stage has just written (bench/results/ may hold an earlier session's files)
+started() { touch "$OUT/.stage_start"; }
+fresh() { find "$1" -maxdepth 1 -name 'attention_gpu_*.csv' -newer "$OUT/.stage_start" -exec cp {} "$OUT/" \; 2>/dev/null; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:tests HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
@@ -57,22 +60,22 @@ fi
 echo "== 2b. host cost of the Triton wrapper per call (launches stubbed; this machine's CPU)"
 timeout "$(lim 15)" $PY -m bench.host_overhead 2>&1 | tee "$OUT/host.log"; status 2b "${PIPESTATUS[0]}"
 pack
-echo "== 3. attention benchmark (bf16, B=1 H=16 D=64 w=256, n=2048..32768; triton and SDPA; flex in stage 7)"
+started; echo "== 3. attention benchmark (bf16, B=1 H=16 D=64 w=256, n=2048..32768; triton and SDPA; flex in stage 7)"
 timeout "$(lim "${BENCH_TIMEOUT:-150}")" $PY -m bench.attention --backends triton --out "$RES" 2>&1 \
     | tee "$OUT/bench.log" | grep -v "^n="; status 3 "${PIPESTATUS[0]}"
-cp "$RES"/attention_gpu_*.csv "$OUT/" 2>/dev/null
+fresh "$RES"
 
 pack
-echo "== 4. GPU time alone (calls replayed from a CUDA graph: no host launch cost, and a warm L2): triton vs SDPA"
+started; echo "== 4. GPU time alone (calls replayed from a CUDA graph: no host launch cost, and a warm L2): triton vs SDPA"
 timeout "$(lim "${GRAPHS_TIMEOUT:-45}")" $PY -m bench.attention --graphs --n 2048 8192 32768 --backends triton \
     --out "$RES/graphs" 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^n="; status 4 "${PIPESTATUS[0]}"
-cp "$RES"/graphs/attention_gpu_*.csv "$OUT/" 2>/dev/null
+fresh "$RES/graphs"
 
 pack
-echo "== 5. attention benchmark, paper-like batch: B=8 H=16 D=64 w=256 (triton vs SDPA)"
+started; echo "== 5. attention benchmark, paper-like batch: B=8 H=16 D=64 w=256 (triton vs SDPA)"
 timeout "$(lim "${BENCH_B8_TIMEOUT:-45}")" $PY -m bench.attention --batch 8 --n 2048 8192 --backends triton \
     --out "$RES/b8" 2>&1 | tee "$OUT/bench_b8.log" | grep -v "^n="; status 5 "${PIPESTATUS[0]}"
-cp "$RES"/b8/attention_gpu_*.csv "$OUT/" 2>/dev/null
+fresh "$RES/b8"
 
 pack
 echo "== 6. whole model: 360M decoder, B=8, n=2048, bf16 autocast, fwd+bwd per variant"
@@ -81,10 +84,10 @@ timeout "$(lim "${MODEL_TIMEOUT:-40}")" $PY -m bench.model --model 360m --batch 
 pack
 # What is left before the deadline (~50 s when every stage above takes its whole limit) goes to the two below;
 # flex's correctness gate checks its gradients on the GPU too.
-echo "== 7. FlexAttention SA/SWA, the peer the Triton kernels must beat (its GPU code is unchanged since 2026-11-30)"
+started; echo "== 7. FlexAttention SA/SWA, the peer the Triton kernels must beat (its GPU code is unchanged since 2026-11-30)"
 timeout "$(lim "${FLEX_TIMEOUT:-60}")" $PY -m bench.attention --backends flex --n 2048 8192 32768 \
     --out "$RES/flex" 2>&1 | tee "$OUT/bench_flex.log" | grep -v "^n="; status 7 "${PIPESTATUS[0]}"
-cp "$RES"/flex/attention_gpu_*.csv "$OUT/" 2>/dev/null
+fresh "$RES/flex"
 pack
 echo "== 8. whole model with compiled blocks (trainer.compile), gated SA+SWA; its eager time is stage 6's"
 timeout "$(lim "${MODEL_COMPILE_TIMEOUT:-90}")" $PY -m bench.model --model 360m --batch 8 --variants gated_sa_swa \

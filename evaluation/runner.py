@@ -242,12 +242,15 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         notes.append(f"context {lm.max_length} tokens (trained with {trained_context}"
                      f"{'; RoPE past it is extrapolation' if lm.max_length > trained_context else ''}; "
                      "eval.max_length sets it)")
-    if kind != "full" and AttentionConfig(kind=kind, window=int(info["attention"]["window"])) \
-            .sees_every_earlier_token(lm.max_length):
+    covers = kind != "full" and AttentionConfig(kind=kind, window=int(info["attention"]["window"])) \
+        .sees_every_earlier_token(lm.max_length)
+    if covers:
         notes.append(f"window {info['attention']['window']} at context {lm.max_length}: every query sees every "
-                     f"earlier token, so {kind} scores as full causal attention here")
-    if kind not in STOCHASTIC_KINDS and num_seeds > 1:
-        notes.append(f"attention kind={kind} is deterministic: 1 seed instead of {num_seeds}")
+                     f"earlier token, so {kind} scores as full causal attention here"
+                     f"{' (scaled by the sum of its two gates)' if kind == 'gated_sa_swa' else ''}")
+    if (kind not in STOCHASTIC_KINDS or covers) and num_seeds > 1:
+        notes.append(f"attention kind={kind} is deterministic{' at this window' if covers else ''}: 1 seed instead "
+                     f"of {num_seeds}")
         num_seeds = 1
     seeds = [lm.eval_seed + k for k in range(num_seeds)]
 

@@ -60,7 +60,8 @@ class AttentionConfig:
     def describe(self) -> str:
         """The log's one-line summary: the window and backend only where they apply."""
         if self.kind == "full":
-            return "attention=full (causal SDPA)"
+            return "attention=full (" + ("the dense reference, backend=naive)" if self.backend == "naive" else
+                                         "causal SDPA)")
         return f"attention={self.kind} window={self.window}" + (
             "" if self.kind == "moba" else f" backend={self.backend}")
 

@@ -261,7 +261,36 @@ def test_key_hints_for_each_entry_point():
         + ", ".join(sorted(compose_keys("train")))]
     assert "did you mean 'eval.num_seeds'?" in unknown_key_hints("evaluate", ["eval.num_seed=2"])[0]
     assert "did you mean 'top_k' or 'top_p'?" in unknown_key_hints("sample", ["top_kk=3"])[0]
-    assert unknown_key_hints("train", ["+model.n_experts=8", "hydra.run.dir=x"]) == []  # additions: not typos
+    assert unknown_key_hints("train", ["+model.n_experts=8", "hydra.run.dir=x", "hydra/launcher=basic",
+                                       "~seed", "data=files", "data.source.paths.0=a"]) == []  # not typos
+    assert unknown_key_hints("train", ["attention=choice(full,sa)", "attention.windwo=3"]) == [
+        "hint: 'attention.windwo' is not a key of this config; did you mean 'attention.window'?"]  # a sweep
+
+
+def test_key_hints_keep_the_exit_and_never_hide_the_error(monkeypatch, capsys):
+    import sys
+
+    import tools.config_hints as hints
+
+    def stop(code):
+        def main():
+            raise SystemExit(code)
+        return main
+
+    monkeypatch.setattr(sys, "argv", ["train.py", "trainer.max_step=3"])
+    for code in (0, 2, 143):  # a finished run, a ConfigError, a SIGTERM stop: Hydra took the keys, no hint
+        with pytest.raises(SystemExit) as exit_:
+            hints.run_with_key_hints(stop(code), "train")
+        assert exit_.value.code == code and "hint:" not in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        hints.run_with_key_hints(stop(1), "train")
+    assert exit_.value.code == 1 and "did you mean 'trainer.max_steps'?" in capsys.readouterr().err
+    monkeypatch.setattr(hints, "unknown_key_hints", lambda *a: 1 / 0)  # the hint itself failing
+    with pytest.raises(SystemExit) as exit_:
+        hints.run_with_key_hints(stop(1), "train")
+    assert exit_.value.code == 1
+    with pytest.raises(KeyError):  # HYDRA_FULL_ERROR=1: Hydra's own exception goes on
+        hints.run_with_key_hints(lambda: {}["x"], "train")
 
 
 def compose_keys(config_name: str) -> list[str]:
@@ -271,3 +300,11 @@ def compose_keys(config_name: str) -> list[str]:
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         return list(compose(config_name=config_name))
+
+
+def test_the_log_line_names_the_window_and_backend_only_where_they_apply():
+    assert AttentionConfig(kind="full", window=64).describe() == "attention=full (causal SDPA)"
+    assert AttentionConfig(kind="full", backend="naive").describe() == \
+        "attention=full (the dense reference, backend=naive)"
+    assert AttentionConfig(kind="moba", window=32).describe() == "attention=moba window=32"  # its own PyTorch code
+    assert AttentionConfig(kind="sa", window=32, backend="torch").describe() == "attention=sa window=32 backend=torch"

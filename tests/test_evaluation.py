@@ -682,9 +682,13 @@ def test_a_window_that_covers_the_context_is_noted_as_full_attention(tiny_ckpt, 
     trained = int(torch.load(tiny_ckpt, weights_only=True)["hyper_parameters"]["model"]["max_seq_len"])
     cfg = {"tasks": ["wikitext"], "data_dir": str(evaldata[0]), "limit": 1, "device": "cpu", "batch_size": 2,
            "task_dir": str(tmp_path / "tasks")}
-    evaluate_checkpoint(tiny_ckpt, cfg, {"window": 2 * trained - 1}, tmp_path / "out")  # SA's band spans it all
+    summary = evaluate_checkpoint(tiny_ckpt, {**cfg, "num_seeds": 2}, {"window": 2 * trained - 1},
+                                  tmp_path / "out")  # SA's band spans it all: any pi gives the same scores
+    err = capsys.readouterr().err
     assert f"window {2 * trained - 1} at context {trained}: every query sees every earlier token, so sa scores as " \
-        "full causal attention here" in capsys.readouterr().err
+        "full causal attention here" in err
+    assert "attention kind=sa is deterministic at this window: 1 seed instead of 2" in err
+    assert summary["seeds"] == [0]
     evaluate_checkpoint(tiny_ckpt, cfg, {"window": 2 * trained - 2}, tmp_path / "out2")
     assert "every query sees every earlier token" not in capsys.readouterr().err
 

@@ -14,21 +14,25 @@ import sys
 from pathlib import Path
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
+CONFIG_FLAGS = ("-cn", "-cp", "-cd", "--config-name", "--config-path", "--config-dir")
 
 
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(group choices, dotted keys set) of the command line's overrides; sweeps take their first value."""
+    """(group choices, keys set) of the command line's overrides, read by Hydra's own parser; a sweep's group
+    choice takes its first value. Additions (+key), deletions (~key) and Hydra's own settings are not typos."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
     groups, keys = [], []
-    for arg in argv:
-        if arg.startswith("-") or "=" not in arg:
+    for override in OverridesParser.create().parse_overrides([a for a in argv if "=" in a and a[0] != "-"]):
+        key = override.key_or_group
+        if override.type != OverrideType.CHANGE or key == "hydra" or key.startswith(("hydra.", "hydra/")):
             continue
-        key, value = arg.split("=", 1)
-        if key.startswith(("+", "~", "hydra.")) or key == "hydra":
-            continue
-        group = key.split("@")[0]
-        if "." not in group and (CONF / group).is_dir():
-            groups.append(f"{key}={value.split(',')[0]}")
-        else:
+        if (CONF / key).is_dir():
+            value = next(iter(override.sweep_string_iterator())) if override.is_sweep_override() else \
+                override.get_value_element_as_str()
+            groups.append(f"{key}{'@' + override.package if override.package else ''}={value}")
+        elif not key.rpartition(".")[2].isdigit():  # list items (data.source.paths.0) are not keys
             keys.append(key)
     return groups, keys
 
@@ -51,6 +55,8 @@ def unknown_key_hints(config_name: str, argv: list[str]) -> list[str]:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    if any(a.startswith(CONFIG_FLAGS) for a in argv):  # another config than conf/<name>: nothing to compare with
+        return []
     groups, keys = _split(argv)
     if not keys:
         return []
@@ -84,11 +90,15 @@ def unknown_key_hints(config_name: str, argv: list[str]) -> list[str]:
 
 
 def run_with_key_hints(main, config_name: str):
-    """Run a @hydra.main function; if Hydra stops with an error, name the misspelled keys of the command line."""
+    """Run a @hydra.main function. Hydra refuses an unknown key with exit code 1 (or raises its error itself under
+    HYDRA_FULL_ERROR=1); then the misspelled keys of the command line are named. The exit is always Hydra's own."""
     try:
         main()
-    except SystemExit as stop:
-        if stop.code not in (0, None):
-            for line in unknown_key_hints(config_name, sys.argv[1:]):
-                print(line, file=sys.stderr)
+    except (SystemExit, Exception) as stop:
+        if not isinstance(stop, SystemExit) or stop.code == 1:
+            try:
+                for line in unknown_key_hints(config_name, sys.argv[1:]):
+                    print(line, file=sys.stderr)
+            except Exception:  # noqa: BLE001 - a hint must never hide the error it follows
+                pass
         raise
