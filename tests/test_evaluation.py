@@ -672,6 +672,7 @@ def test_wikitext_past_the_trained_context(tiny_ckpt, evaldata, tmp_path, capsys
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["max_length"] == 2 * trained and saved["trained_context"] == trained
     assert f"[context {2 * trained}]" in summary["table"]
+    assert "Suite `custom` (wikitext) on" in summary["table"]  # the tasks that ran are named
     assert f"context {2 * trained} tokens (trained with {trained}; RoPE past it" in capsys.readouterr().err
     assert summary["by_task"]["wikitext"]["word_perplexity"]["value"] > 1
 
