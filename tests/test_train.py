@@ -420,6 +420,14 @@ def test_a_window_that_covers_the_context_is_said_to_be_full_attention(tmp_path,
     assert "attention=sa window=" in err and "full causal attention in effect" in err
 
 
+def test_a_resume_is_not_warned_about_its_own_checkpoint_folder(tmp_path, corpus_file, data_cache, recwarn):
+    common = TINY + ["trainer.checkpoint_every_n_steps=1"]
+    train(compose_train(common + ["trainer.max_steps=1"], tmp_path / "run", corpus_file, data_cache))
+    recwarn.clear()
+    train(compose_train(common + ["trainer.max_steps=2", "resume=auto"], tmp_path / "run", corpus_file, data_cache))
+    assert not [w for w in recwarn if "exists and is not empty" in str(w.message)]
+
+
 def test_the_resume_check_compares_models_as_built():
     from model.config import ConfigError
     from model.lightning_module import _check_resumed_config
