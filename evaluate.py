@@ -130,9 +130,24 @@ def exported_attention(name: str, attention: dict, given: set[str] | None = None
                   "sets another)", file=sys.stderr)
         return attention
     attention = {**attention, "kind": trained["kind"], "window": attention.get("window", trained["window"])}
-    print(f"eval: attention {trained['kind']} (w={attention['window']}), as {name} was trained (sa_export.json; "
+    how = f"as {name} was trained" if attention["window"] == trained["window"] else \
+        f"{name} was trained with w={trained['window']}"
+    print(f"eval: attention {trained['kind']} (w={attention['window']}), {how} (sa_export.json; "
           "attention.kind=<kind> sets another)", file=sys.stderr)
     return attention
+
+
+def _trained_label(name: str, kind: str, window) -> str:
+    """' [trained sa (w=32)]' when an exported model is scored at another attention than it was trained with."""
+    import json
+
+    exported = Path(name) / "sa_export.json"
+    if not exported.is_file():
+        return ""
+    trained = json.loads(exported.read_text())["attention"]
+    as_trained = trained["kind"] if trained["kind"] == "full" else f"{trained['kind']} (w={trained['window']})"
+    now = kind if kind == "full" else f"{kind} (w={window})"
+    return "" if now == as_trained else f" [trained {as_trained}]"
 
 
 def _attention_given() -> set[str]:
@@ -230,7 +245,8 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
     titles = [f"{task} {primary_accuracy(task)} %" for task in accuracies] + [k.replace("/", " ") for k in perplexities]
     lines = ["| model | attention | w_eff | " + " | ".join(titles) + " |",
              "|---|---|---|" + "---|" * len(columns),
-             f"| {name} | {kind} | {window or '-'} | " + " | ".join(cell(c) for c in columns) + " |"]
+             f"| {name} | {kind}{_trained_label(name, kind, window)} | {window or '-'} | "
+             + " | ".join(cell(c) for c in columns) + " |"]
     if num_seeds > 1:
         lines.append(f"mean ± std over SA seeds {seeds}")
     atomic_write_text(out_dir / "results.md", "\n".join(lines) + "\n")

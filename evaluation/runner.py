@@ -309,7 +309,8 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         "avg_acc": avg_entry, "seconds_per_seed": seconds, "seconds_total": time.time() - started,
     }
     atomic_write_text(out_dir / "results.json", json.dumps(summary, indent=1))
-    footer = ["", f"Suite `{cfg['name']}` ({', '.join(tasks)}) on `{info['checkpoint']}`; lm-eval {summary['lm_eval_version']}, "
+    footer = ["", f"Suite `{cfg['name']}` ({', '.join(tasks)}) on `{info['checkpoint']}`; "
+              f"lm-eval {summary['lm_eval_version']}, "
               + (f"{shots}-shot, " if isinstance(shots, int) else "shots per task in results.json, ")
               + f"{info['dtype']}, batch {lm.batch_size}, seeds {seeds}"
               + (f", limit {cfg['limit']}" if cfg["limit"] else "")

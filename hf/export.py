@@ -84,7 +84,7 @@ def export(ckpt: str | Path, out: str | Path) -> Path:
     try:
         llama.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        meta = {"checkpoint": str(loaded.checkpoint), "step": loaded.step,
+        meta = {"checkpoint": str(Path(loaded.checkpoint).resolve()), "step": loaded.step,
                 # eval_seed: SA's evaluation permutations come from (eval_seed, layer), as in the trained model
                 "attention": {"kind": attn.kind, "window": attn.window, "eval_seed": attn.eval_seed},
                 "load": "full attention: as is; swa / sa / moba: hf.load_hf_model(folder, kind, window, seed=eval_seed)"

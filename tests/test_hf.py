@@ -506,13 +506,14 @@ def test_evaluate_hf_refuses_few_shot_examples_from_a_test_split(saved_model, tm
 
 
 # ---------------------------------------------------------------------------------------------- export
-def test_an_exported_checkpoint_gives_the_trained_models_logits(tiny_ckpt, tmp_path):
+def test_an_exported_checkpoint_gives_the_trained_models_logits(tiny_ckpt, tmp_path, capsys):
     """Llama's architecture is the decoder's: full attention as it is, SA through the prefill patch."""
     from hf.export import export, main
     from model.checkpoint import load_checkpoint
 
     out = export(tiny_ckpt, tmp_path / "export")
     assert json.loads((out / "sa_export.json").read_text())["attention"] == {"kind": "sa", "window": 8, "eval_seed": 0}
+    assert Path(json.loads((out / "sa_export.json").read_text())["checkpoint"]).is_absolute()  # the folder may move
     ours = load_checkpoint(tiny_ckpt)
     tokens = torch.tensor([ours.tokenizer.encode("The value of the first argument is returned.").ids])
     for kind in ("full", "sa"):
@@ -534,7 +535,13 @@ def test_an_exported_checkpoint_gives_the_trained_models_logits(tiny_ckpt, tmp_p
 
     trained = {"eval_seed": 0}
     assert exported_attention(str(out), {}) == {"kind": "sa", "window": 8, **trained}  # model.hf=<out>: as trained
+    capsys.readouterr()
     assert exported_attention(str(out), {"window": 16}) == {"kind": "sa", "window": 16, **trained}
+    assert f"attention sa (w=16), {out} was trained with w=8" in capsys.readouterr().err  # not "as trained"
+    from evaluate import _trained_label
+
+    assert _trained_label(str(out), "sa", 16) == " [trained sa (w=8)]" and _trained_label(str(out), "sa", 8) == ""
+    assert _trained_label(str(out), "full", None) == " [trained sa (w=8)]"
     assert exported_attention(str(out), {"kind": "full"}) == {"kind": "full", **trained}
     assert exported_attention(str(out), {"kind": "swa"}) == {"kind": "swa", "window": 8, **trained}  # trained window
     assert exported_attention(str(out), {"eval_seed": 3}) == {"kind": "sa", "window": 8, "eval_seed": 3}
