@@ -130,10 +130,11 @@ def exported_attention(name: str, attention: dict, given: set[str] | None = None
                   "sets another)", file=sys.stderr)
         return attention
     attention = {**attention, "kind": trained["kind"], "window": attention.get("window", trained["window"])}
-    how = f"as {name} was trained" if attention["window"] == trained["window"] else \
+    full = trained["kind"] == "full"  # no window to name: full attention ignores it
+    how = f"as {name} was trained" if full or attention["window"] == trained["window"] else \
         f"{name} was trained with w={trained['window']}"
-    print(f"eval: attention {trained['kind']} (w={attention['window']}), {how} (sa_export.json; "
-          "attention.kind=<kind> sets another)", file=sys.stderr)
+    shown = trained["kind"] if full else f"{trained['kind']} (w={attention['window']})"
+    print(f"eval: attention {shown}, {how} (sa_export.json; attention.kind=<kind> sets another)", file=sys.stderr)
     return attention
 
 
@@ -243,9 +244,10 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
     perplexities = list(_perplexities(per_seed[0]))
     columns = accuracies + perplexities
     titles = [f"{task} {primary_accuracy(task)} %" for task in accuracies] + [k.replace("/", " ") for k in perplexities]
+    w_eff = window if kind != "full" and window else "-"  # full attention ignores a window
     lines = ["| model | attention | w_eff | " + " | ".join(titles) + " |",
              "|---|---|---|" + "---|" * len(columns),
-             f"| {name} | {kind}{_trained_label(name, kind, window)} | {window or '-'} | "
+             f"| {name} | {kind}{_trained_label(name, kind, window)} | {w_eff} | "
              + " | ".join(cell(c) for c in columns) + " |"]
     if num_seeds > 1:
         lines.append(f"mean ± std over SA seeds {seeds}")

@@ -308,15 +308,22 @@ DEFAULT_SHAPE = {"batch": 1, "heads": 16, "head_dim": 64, "window": 256}
 SHAPE_LETTERS = {"batch": "b", "heads": "h", "head_dim": "d", "window": "w"}
 
 
-def shape_suffix(args) -> str:
+def shape_suffix(args, default_full_max_n: int | None = None) -> str:
     """The file name's part for settings off the default table (B=1, H=16, D=64, w=256; the default n, every
-    variant and backend), so that a run at another shape or subset does not overwrite the default table's files."""
+    variant and backend, full attention timed up to the device's default --full-max-n), so that a run at another
+    shape or subset does not overwrite the default table's files."""
     parts = [f"{SHAPE_LETTERS[k]}{getattr(args, k)}" for k, v in DEFAULT_SHAPE.items() if getattr(args, k) != v]
     if args.n != DEFAULT_N:
         parts.append("n" + "-".join(map(str, args.n)))
     for subset in (args.variants, args.backends):
         if subset:
             parts.append("-".join(subset))
+
+    def untimed(limit):  # the lengths at which full attention is skipped (0 or None: none)
+        return {n for n in args.n if limit and n > limit}
+
+    if (not args.variants or "full" in args.variants) and untimed(args.full_max_n) != untimed(default_full_max_n):
+        parts.append(f"fullmax{args.full_max_n or 0}")
     return "".join(f"_{p}" for p in parts)
 
 
@@ -347,9 +354,8 @@ def main():
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
     if args.graphs and not cuda:
         p.error("--graphs needs a CUDA device")
-    tag = f"{'gpu' if cuda else 'cpu'}_{args.dtype}{'_graphs' if args.graphs else ''}{shape_suffix(args)}"
-    if args.full_max_n != default_full_max_n:  # a table without some full-attention rows
-        tag += f"_fullmax{args.full_max_n}"
+    tag = f"{'gpu' if cuda else 'cpu'}_{args.dtype}{'_graphs' if args.graphs else ''}" \
+        f"{shape_suffix(args, default_full_max_n)}"
     rows = run(args, args.out / f"attention_{tag}.csv")
     if not rows:
         sys.exit("nothing was timed: no backend passed its correctness gate, or every case failed (see above)")

@@ -21,8 +21,12 @@ PACK=${PACK:-$OUT.tgz}
 pack() { tar czf "$PACK.tmp" -C "$(dirname "$OUT")" "$(basename "$OUT")" && mv "$PACK.tmp" "$PACK"; }  # atomic
 status() { echo "-- stage $1 exit code $2 (124: stopped at its time limit)"; }
 # the CSVs a stage has just written (bench/results/ may hold an earlier session's files)
-started() { touch "$OUT/.stage_start"; }
-fresh() { find "$1" -maxdepth 1 -name 'attention_gpu_*.csv' -newer "$OUT/.stage_start" -exec cp {} "$OUT/" \; 2>/dev/null; }
+# (the stamp lives beside the results, on their filesystem, and out of $OUT's archive)
+started() { STAMP=$(mktemp -p "$RES" .stage_start.XXXXXX); }
+fresh() {
+    find "$1" -maxdepth 1 -name 'attention_gpu_*.csv' -newer "$STAMP" -exec cp {} "$OUT/" \; 2>/dev/null
+    rm -f "$STAMP"
+}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:tests HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv

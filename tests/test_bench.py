@@ -93,10 +93,17 @@ def test_attention_benchmark_files_are_named_by_the_settings_off_the_default_tab
     from bench.attention import DEFAULT_N, shape_suffix
 
     default = argparse.Namespace(batch=1, heads=16, head_dim=64, window=256, n=list(DEFAULT_N), variants=None,
-                                 backends=None)
+                                 backends=None, full_max_n=None)
     assert shape_suffix(default) == ""  # the table BENCHMARKS.md quotes keeps its plain name
     b8 = argparse.Namespace(**{**vars(default), "batch": 8, "n": [2048, 8192], "backends": ["triton"]})
     assert shape_suffix(b8) == "_b8_n2048-8192_triton"
+    cpu = argparse.Namespace(**{**vars(default), "full_max_n": 16384})  # the CPU's default limit: the plain name
+    assert shape_suffix(cpu, 16384) == ""
+    assert shape_suffix(argparse.Namespace(**{**vars(default), "full_max_n": 8192}), None) == "_fullmax8192"
+    assert shape_suffix(argparse.Namespace(**{**vars(default), "full_max_n": 65536}), None) == ""  # skips none
+    assert shape_suffix(argparse.Namespace(**{**vars(default), "full_max_n": 0}), 16384) == "_fullmax0"  # all
+    assert shape_suffix(argparse.Namespace(**{**vars(default), "full_max_n": 8192, "variants": ["sa"]}), None) \
+        == "_sa"  # no full attention in the table: its limit changes nothing
 
 
 def test_a_backend_that_fails_its_gate_is_not_timed(tmp_path, monkeypatch):

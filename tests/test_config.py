@@ -262,9 +262,10 @@ def test_key_hints_for_each_entry_point():
     assert "did you mean 'eval.num_seeds'?" in unknown_key_hints("evaluate", ["eval.num_seed=2"])[0]
     assert "did you mean 'top_k' or 'top_p'?" in unknown_key_hints("sample", ["top_kk=3"])[0]
     assert unknown_key_hints("train", ["+model.n_experts=8", "hydra.run.dir=x", "hydra/launcher=basic",
-                                       "~seed", "data=files", "data.source.paths.0=a"]) == []  # not typos
-    assert unknown_key_hints("train", ["attention=choice(full,sa)", "attention.windwo=3"]) == [
-        "hint: 'attention.windwo' is not a key of this config; did you mean 'attention.window'?"]  # a sweep
+                                       "~seedd", "+seedd=1", "data=files", "data.source.paths.0=a"]) == []  # not typos
+    for sweep in ("attention=choice(full,sa)", "attention=glob(*)"):
+        assert unknown_key_hints("train", [sweep, "attention.windwo=3"]) == [
+            "hint: 'attention.windwo' is not a key of this config; did you mean 'attention.window'?"]
 
 
 def test_key_hints_keep_the_exit_and_never_hide_the_error(monkeypatch, capsys):

@@ -506,14 +506,16 @@ def test_evaluate_hf_refuses_few_shot_examples_from_a_test_split(saved_model, tm
 
 
 # ---------------------------------------------------------------------------------------------- export
-def test_an_exported_checkpoint_gives_the_trained_models_logits(tiny_ckpt, tmp_path, capsys):
+def test_an_exported_checkpoint_gives_the_trained_models_logits(tiny_ckpt, tmp_path, capsys, monkeypatch):
     """Llama's architecture is the decoder's: full attention as it is, SA through the prefill patch."""
     from hf.export import export, main
     from model.checkpoint import load_checkpoint
 
     out = export(tiny_ckpt, tmp_path / "export")
     assert json.loads((out / "sa_export.json").read_text())["attention"] == {"kind": "sa", "window": 8, "eval_seed": 0}
-    assert Path(json.loads((out / "sa_export.json").read_text())["checkpoint"]).is_absolute()  # the folder may move
+    monkeypatch.chdir(tiny_ckpt.parent)  # exported from a relative path, recorded as an absolute one
+    moved = export(Path(tiny_ckpt.name), tmp_path / "export_relative")
+    assert json.loads((moved / "sa_export.json").read_text())["checkpoint"] == str(tiny_ckpt.resolve())
     ours = load_checkpoint(tiny_ckpt)
     tokens = torch.tensor([ours.tokenizer.encode("The value of the first argument is returned.").ids])
     for kind in ("full", "sa"):

@@ -26,13 +26,18 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     groups, keys = [], []
     for override in OverridesParser.create().parse_overrides([a for a in argv if "=" in a and a[0] != "-"]):
         key = override.key_or_group
-        if override.type != OverrideType.CHANGE or key == "hydra" or key.startswith(("hydra.", "hydra/")):
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or override.type == OverrideType.DEL:
             continue
-        if (CONF / key).is_dir():
-            value = next(iter(override.sweep_string_iterator())) if override.is_sweep_override() else \
-                override.get_value_element_as_str()
-            groups.append(f"{key}{'@' + override.package if override.package else ''}={value}")
-        elif not key.rpartition(".")[2].isdigit():  # list items (data.source.paths.0) are not keys
+        if (CONF / key).is_dir():  # a group choice (+logger=csv adds one): composed, so its keys are known
+            try:
+                value = next(iter(override.sweep_string_iterator())) if override.is_sweep_override() else \
+                    override.get_value_element_as_str()
+            except Exception:  # noqa: BLE001 - glob(*) needs Hydra's config loader: the group's default stands
+                continue
+            prefix = "+" if override.type == OverrideType.ADD else "++" if override.type == OverrideType.FORCE_ADD \
+                else ""
+            groups.append(f"{prefix}{key}{'@' + override.package if override.package else ''}={value}")
+        elif override.type == OverrideType.CHANGE and not key.rpartition(".")[2].isdigit():  # not list items
             keys.append(key)
     return groups, keys
 
@@ -91,7 +96,9 @@ def unknown_key_hints(config_name: str, argv: list[str]) -> list[str]:
 
 def run_with_key_hints(main, config_name: str):
     """Run a @hydra.main function. Hydra refuses an unknown key with exit code 1 (or raises its error itself under
-    HYDRA_FULL_ERROR=1); then the misspelled keys of the command line are named. The exit is always Hydra's own."""
+    HYDRA_FULL_ERROR=1); then the misspelled keys of the command line are named. Exit code 1 also ends a job that
+    failed after Hydra took its keys: the check then composes once more and finds every key. The exit is always
+    Hydra's own."""
     try:
         main()
     except (SystemExit, Exception) as stop:
