@@ -17,6 +17,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from model.config import attention_label
+
 ROOT = Path(__file__).resolve().parent
 
 
@@ -110,14 +112,11 @@ def exported_attention(name: str, attention: dict, given: set[str] | None = None
     (it would otherwise run as full attention, silently), and with its window and eval_seed unless they are given.
     `given`: the attention keys the command line set itself; a preset's window and eval_seed (attention=sa has 32
     and 0) are defaults, not a choice of this model's (None: every key in `attention` counts as given)."""
-    import json
-
-    exported = Path(name) / "sa_export.json"
-    if not exported.is_file():
+    trained = _exported_attention(name)
+    if trained is None:
         return attention
     if given is not None:
         attention = {k: v for k, v in attention.items() if k in given or k not in ("window", "eval_seed")}
-    trained = json.loads(exported.read_text())["attention"]
     if "eval_seed" not in attention and "eval_seed" in trained:  # SA's permutations: those of the trained model
         attention = {**attention, "eval_seed": trained["eval_seed"]}
         if trained["eval_seed"]:
@@ -130,25 +129,28 @@ def exported_attention(name: str, attention: dict, given: set[str] | None = None
                   "sets another)", file=sys.stderr)
         return attention
     attention = {**attention, "kind": trained["kind"], "window": attention.get("window", trained["window"])}
-    full = trained["kind"] == "full"  # no window to name: full attention ignores it
-    how = f"as {name} was trained" if full or attention["window"] == trained["window"] else \
+    shown = attention_label(trained["kind"], attention["window"])  # full attention names no window
+    how = f"as {name} was trained" if shown == attention_label(trained["kind"], trained["window"]) else \
         f"{name} was trained with w={trained['window']}"
-    shown = trained["kind"] if full else f"{trained['kind']} (w={attention['window']})"
     print(f"eval: attention {shown}, {how} (sa_export.json; attention.kind=<kind> sets another)", file=sys.stderr)
     return attention
 
 
-def _trained_label(name: str, kind: str, window) -> str:
-    """' [trained sa (w=32)]' when an exported model is scored at another attention than it was trained with."""
+def _exported_attention(name: str) -> dict | None:
+    """The attention an exported checkpoint was trained with (its sa_export.json), None for other models."""
     import json
 
     exported = Path(name) / "sa_export.json"
-    if not exported.is_file():
+    return json.loads(exported.read_text())["attention"] if exported.is_file() else None
+
+
+def _trained_label(name: str, kind: str, window) -> str:
+    """' [trained sa (w=32)]' when an exported model is scored at another attention than it was trained with."""
+    trained = _exported_attention(name)
+    if trained is None:
         return ""
-    trained = json.loads(exported.read_text())["attention"]
-    as_trained = trained["kind"] if trained["kind"] == "full" else f"{trained['kind']} (w={trained['window']})"
-    now = kind if kind == "full" else f"{kind} (w={window})"
-    return "" if now == as_trained else f" [trained {as_trained}]"
+    as_trained = attention_label(trained["kind"], trained["window"])
+    return "" if attention_label(kind, window) == as_trained else f" [trained {as_trained}]"
 
 
 def _attention_given() -> set[str]:

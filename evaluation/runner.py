@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from data.shards import atomic_write_text
-from model.config import AttentionConfig
+from model.config import AttentionConfig, attention_label
 
 ROOT = Path(__file__).resolve().parents[1]
 STOCHASTIC_KINDS = ("sa", "gated_sa_swa")  # attention whose eval scores depend on the permutation seed
@@ -287,8 +287,8 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
 
         avg_entry = {"value": statistics.fmean(avg_values), "per_seed": avg_values,
                      "std": statistics.stdev(avg_values) if len(avg_values) > 1 else 0.0, "tasks": avgs[0][1]}
-    label = f"{kind} (w={info['attention']['window']})" if kind != "full" else "full"
-    as_trained = f"{trained.get('kind')} (w={trained.get('window')})" if trained.get("kind") != "full" else "full"
+    label = attention_label(kind, info["attention"]["window"])
+    as_trained = attention_label(trained.get("kind"), trained.get("window"))
     if trained.get("kind") is not None and as_trained != label:  # a model scored as it was not trained says so
         label += f" [trained {as_trained}]"
     if lm.max_length != trained_context:

@@ -33,6 +33,7 @@ import torch
 from kernels import BACKENDS, banded_attention
 from kernels.moba import moba_attention
 from kernels.order import gather_rows, scatter_rows
+from model.config import MOBA_TOP_K, moba_block_size
 from model.permutation import PermutationSampler
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class PrefillSettings:
     window: int | None = None
     seed: int = 0  # SA: pi of layer l comes from (seed, l), like PermutationSampler's eval mode
     backend: str = "auto"  # kernels.banded_attention backend for swa/sa (MoBA is plain PyTorch)
-    moba_top_k: int = 2
+    moba_top_k: int = MOBA_TOP_K
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -63,7 +64,7 @@ class PrefillSettings:
 
     @property
     def moba_block_size(self) -> int:
-        return max(1, int(self.window) // 2)
+        return moba_block_size(self.window)
 
     def as_dict(self) -> dict:
         return asdict(self)

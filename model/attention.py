@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels import banded_attention
-from model.config import AttentionConfig, ModelConfig
+from model.config import MOBA_TOP_K, AttentionConfig, ModelConfig, moba_block_size
 from model.layers import Rotary
 from model.permutation import PermutationSampler
 
@@ -72,7 +72,7 @@ class Attention(nn.Module):
         elif kind == "moba":  # baseline: top-2 key blocks of w/2 by q . mean(K_block), own block always on
             from kernels.moba import moba_attention
 
-            y = moba_attention(q, k, v, block_size=max(1, w // 2), top_k=2)
+            y = moba_attention(q, k, v, block_size=moba_block_size(w), top_k=MOBA_TOP_K)
         elif kind == "sa":
             y = banded_attention(q, k, v, w, perm=perm, backend=backend, check_perm=False)  # the sampler's pi
         else:

@@ -7,6 +7,16 @@ from typing import Any
 
 ATTENTION_KINDS = ("full", "swa", "sa", "gated_sa_swa", "moba")
 BACKENDS = ("auto", "torch", "triton", "flex", "naive")
+MOBA_TOP_K = 2  # MoBA as the paper compares it: each query's top-2 key blocks of w/2, about w keys
+
+
+def moba_block_size(window: int) -> int:
+    return max(1, int(window) // 2)
+
+
+def attention_label(kind, window) -> str:
+    """How tables and logs name an attention: `sa (w=32)`, or `full` (no window applies)."""
+    return "full" if kind == "full" else f"{kind} (w={window})"
 
 
 def _is_int(value) -> bool:
@@ -49,13 +59,17 @@ class AttentionConfig:
     def sees_every_earlier_token(self, n: int) -> bool:
         """Whether every query sees all earlier tokens at sequence length n: full causal attention in effect.
 
-        SWA's band (w-1, 0) spans n slots once w >= n; SA's symmetric band ((w-1)//2, w//2) spans all n slots of
-        any query once (w-1)//2 >= n-1 (kernels.default_band); gated needs both; MoBA's top-2 blocks of w//2 cover
-        the sequence once it has at most two blocks (model/attention.py)."""
-        w = self.window
+        A band (left, right) spans all n slots of every query once left >= n-1 and right >= n-1 (SWA: right 0
+        keeps every later key out by position anyway); gated needs both of its paths; MoBA's top-k blocks cover the
+        sequence once it has at most k blocks."""
+        if self.kind == "full":
+            return True
         if self.kind == "moba":
-            return -(-n // max(1, w // 2)) <= 2
-        return {"full": True, "swa": w >= n}.get(self.kind, (w - 1) // 2 >= n - 1)
+            return -(-n // moba_block_size(self.window)) <= MOBA_TOP_K
+        from kernels import default_band
+
+        left, right = default_band(self.window, permuted=self.kind != "swa")  # gated: SA's band is the narrower
+        return left >= n - 1 and (self.kind == "swa" or right >= n - 1)
 
     def describe(self) -> str:
         """The log's one-line summary: the window and backend only where they apply."""

@@ -93,7 +93,6 @@ def unknown_key_hints(config_name: str, argv: list[str]) -> list[str]:
     return hints
 
 
-
 def run_with_key_hints(main, config_name: str):
     """Run a @hydra.main function. Hydra refuses an unknown key with exit code 1 (or raises its error itself under
     HYDRA_FULL_ERROR=1); then the misspelled keys of the command line are named. Exit code 1 also ends a job that
