@@ -91,6 +91,11 @@ def make_lm(model, tokenizer, batch_size=8, max_length: int | None = None, pad_s
     return PrefillHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
 
 
+def context_length(model, tokenizer, max_length: int | None = None) -> int:
+    """The length lm-eval truncates requests to: max_length, else what HFLM reads from the model's config."""
+    return int(make_lm(model, tokenizer, max_length=max_length).max_length)
+
+
 def _task_setup(tasks, data_dir, task_manager, task_dir=None, num_fewshot=None):
     """(task list for lm-eval, TaskManager, skipped {task: why})."""
     from lm_eval.tasks import TaskManager

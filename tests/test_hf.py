@@ -599,3 +599,17 @@ def test_gated_checkpoints_are_not_exported(tmp_path, corpus_file, data_cache):
     with pytest.raises(ConfigError, match="gates"):
         export(tmp_path, tmp_path / "export")
     assert not (tmp_path / "export").exists() and not list(tmp_path.glob(".export.*"))
+
+
+def test_evaluate_py_hf_runs_one_sa_seed_when_the_band_spans_every_request(saved_model, tmp_path, capsys):
+    from model.config import AttentionConfig
+
+    context, window = 32, 64
+    assert AttentionConfig(kind="sa", window=window).sees_every_earlier_token(context)
+    cfg = _eval_cfg([f"model.hf={saved_model[0]}", "eval.tasks=[lambada_openai]", "eval.limit=2", "eval.device=cpu",
+                     f"eval.data_dir={_evaldata(tmp_path)}", f"eval.task_dir={tmp_path / 'tasks'}",
+                     "eval.num_seeds=3", f"eval.max_length={context}"])
+    _evaluate_hf_model(str(saved_model[0]), cfg, {"kind": "sa", "window": window}, tmp_path / "out")
+    assert "every query sees every earlier token, so sa scores as full causal attention here: 1 seed instead of 3" \
+        in capsys.readouterr().err
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["seeds"] == [0]
