@@ -5,7 +5,7 @@
     python evaluate.py ckpt=<file>.ckpt eval=full attention.window=64 eval.num_seeds=5 eval.limit=100
 
 Writes results.json, results.md and lm-eval's raw output per seed to <run dir>/eval/<suite>-<timestamp>/
-(or out_dir=...) and prints the table.
+(<suite>-sa_w64-<timestamp> at an attention given on the command line; or out_dir=...) and prints the table.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from model.config import AttentionConfig, attention_label
+from model.config import AttentionConfig, attention_label, attention_tag
 
 ROOT = Path(__file__).resolve().parent
 
@@ -32,12 +32,18 @@ def run_dir_of(ckpt: str | Path) -> Path:
     return path
 
 
-def eval_out_dir(ckpt, out_dir, suite, stamp) -> str:
-    """hydra.run.dir: out_dir if given, else <run dir>/eval/<suite>-<timestamp> (runs/eval/... for a missing ckpt)."""
+def eval_out_dir(ckpt, out_dir, suite, stamp, kind=None, window=None) -> str:
+    """hydra.run.dir: out_dir if given, else <run dir>/eval/<suite>-<timestamp> (runs/eval/... for a missing ckpt),
+    with the attention given on the command line between them (<suite>-sa_w16-<timestamp>, <suite>-w16-<...>), so a
+    run's evaluations at other windows are told apart by their folders as well as by their results.json."""
     if out_dir not in (None, ""):
         return str(out_dir)
     base = run_dir_of(ckpt) / "eval" if ckpt and Path(str(ckpt)).exists() else Path("runs") / "eval"
-    return str(base / f"{suite}-{stamp}")
+    if kind not in (None, ""):
+        given = attention_tag(kind, window) if window not in (None, "") or kind == "full" else kind
+    else:
+        given = f"w{window}" if window not in (None, "") else ""
+    return str(base / "-".join(part for part in (suite, given, stamp) if part))
 
 
 OmegaConf.register_new_resolver("sa_eval_out_dir", eval_out_dir, replace=True)

@@ -19,6 +19,11 @@ def attention_label(kind, window) -> str:
     return "full" if kind == "full" else f"{kind} (w={window})"
 
 
+def attention_tag(kind, window, sep: str = "_") -> str:
+    """How folder and run names carry an attention: `sa_w32` (sep "_"), `sa-w32` (sep "-"), or `full`."""
+    return "full" if kind == "full" else f"{kind}{sep}w{window}"
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a size
 

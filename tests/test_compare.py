@@ -44,7 +44,23 @@ def test_sweep_presets_compose(preset, tmp_path):
     assert full.task_name == preset
     assert "${attention.kind}" in wandb["tags"] and "w${attention.window}" in wandb["tags"]
     sweep = OmegaConf.to_container(full.hydra.sweep, resolve=False)
-    assert sweep["subdir"] == "${hydra.job.num}_${attention.kind}_w${attention.window}_s${seed}"
+    assert sweep["subdir"] == "${hydra.job.num}_${sa_attention_tag:${attention.kind},${attention.window}}_s${seed}"
+
+
+@pytest.mark.parametrize("attention, subdir, run_name", [("full", "3_full_s0", "full-s0"),
+                                                         ("sa", "3_sa_w32_s0", "sa-w32-s0"),
+                                                         ("gated_sa_swa", "3_gated_sa_swa_w32_s0", "gated_sa_swa-w32-s0")])
+def test_sweep_folders_and_run_names_carry_a_window_only_where_one_applies(attention, subdir, run_name):
+    """Full attention ignores the window, yet its sweep folder was 0_full_w256_s0 and its run full-w256-s0."""
+    from omegaconf import open_dict
+
+    import train  # noqa: F401  (registers the resolver the names use)
+
+    cfg = compose_with_hydra([f"attention={attention}"])
+    with open_dict(cfg):
+        cfg.hydra.job.num = 3
+    assert OmegaConf.to_container(cfg.hydra.sweep, resolve=True)["subdir"] == subdir
+    assert cfg.run_name == run_name
 
 
 def test_presets_sizes(tmp_path):

@@ -762,6 +762,34 @@ def test_sample_py_prints_seeded_samples_and_writes_nothing(tiny_ckpt, tmp_path)
     assert bad.returncode == 2 and "top_p=1.5" in bad.stderr
 
 
+@pytest.mark.parametrize("overrides, folder", [([], "quick-{stamp}"), (["attention.window=16"], "quick-w16-{stamp}"),
+                                               (["attention=sa", "attention.window=16"], "quick-sa_w16-{stamp}"),
+                                               (["attention.kind=swa"], "quick-swa-{stamp}"),
+                                               (["attention=full"], "quick-full-{stamp}"),
+                                               (["out_dir=elsewhere", "attention.window=16"], "elsewhere")])
+def test_evaluations_at_another_attention_go_to_folders_that_name_it(overrides, folder, tmp_path):
+    """A run evaluated as trained and again at another window kept two <suite>-<time> folders told apart only by
+    their timestamps; the attention given on the command line is now in the name."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    import evaluate  # noqa: F401  (registers the folder resolver)
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="evaluate", overrides=[f"ckpt={run}", *overrides], return_hydra_config=True)
+    out = Path(OmegaConf.to_container(cfg.hydra.run, resolve=True)["dir"])
+    if folder == "elsewhere":
+        assert out == Path("elsewhere")
+        return
+    assert out.parent == run / "eval"
+    assert re.fullmatch(folder.format(stamp=r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"), out.name), out.name
+
+
 @pytest.mark.parametrize("preset", ["full", "swa", "sa", "gated_sa_swa", "moba"])
 def test_every_attention_preset_resolves_in_the_evaluate_config(preset):
     from hydra import compose, initialize_config_dir
