@@ -32,18 +32,22 @@ def run_dir_of(ckpt: str | Path) -> Path:
     return path
 
 
-def eval_out_dir(ckpt, out_dir, suite, stamp, kind=None, window=None) -> str:
+def eval_out_dir(ckpt, out_dir, suite, stamp, kind=None, window=None, hf=None, overrides=()) -> str:
     """hydra.run.dir: out_dir if given, else <run dir>/eval/<suite>-<timestamp> (runs/eval/... for a missing ckpt),
-    with the attention given on the command line between them (<suite>-sa_w16-<timestamp>, <suite>-w16-<...>), so a
-    run's evaluations at other windows are told apart by their folders as well as by their results.json."""
+    with the attention chosen on the command line between them (<suite>-sa_w16-<timestamp>, <suite>-w16-<...>), so a
+    run's evaluations at other windows are told apart by their folders as well as by their results.json. For a
+    model.hf export a preset's window is no choice (the export's own wins, see exported_attention), so it is left out."""
     if out_dir not in (None, ""):
         return str(out_dir)
     base = run_dir_of(ckpt) / "eval" if ckpt and Path(str(ckpt)).exists() else Path("runs") / "eval"
-    if kind not in (None, ""):
-        given = attention_tag(kind, window) if window not in (None, "") or kind == "full" else kind
+    given = attention_given(overrides)
+    if hf not in (None, "") and "window" not in given:
+        window = None
+    if kind in (None, ""):
+        tag = f"w{window}" if window not in (None, "") else ""
     else:
-        given = f"w{window}" if window not in (None, "") else ""
-    return str(base / "-".join(part for part in (suite, given, stamp) if part))
+        tag = attention_tag(kind, window) if window not in (None, "") or kind == "full" else kind
+    return str(base / "-".join(part for part in (suite, tag, stamp) if part))
 
 
 OmegaConf.register_new_resolver("sa_eval_out_dir", eval_out_dir, replace=True)
@@ -159,13 +163,17 @@ def _trained_label(name: str, kind: str, window) -> str:
     return "" if attention_label(kind, window) == as_trained else f" [trained {as_trained}]"
 
 
-def _attention_given() -> set[str]:
-    """The attention.* keys set on the command line (attention=<preset> sets kind), not by a preset's defaults."""
-    from hydra.core.hydra_config import HydraConfig
-
-    keys = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+def attention_given(overrides) -> set[str]:
+    """The attention.* keys a command line's overrides set (attention=<preset> sets kind), not a preset's defaults."""
+    keys = {str(o).split("=", 1)[0].lstrip("+~") for o in overrides}
     given = {k.split(".", 1)[1] for k in keys if k.startswith("attention.")}
     return given | {"kind"} if "attention" in keys else given
+
+
+def _attention_given() -> set[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    return attention_given(HydraConfig.get().overrides.task)
 
 
 def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path, given: set[str] | None = None):

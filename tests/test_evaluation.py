@@ -766,10 +766,14 @@ def test_sample_py_prints_seeded_samples_and_writes_nothing(tiny_ckpt, tmp_path)
                                                (["attention=sa", "attention.window=16"], "quick-sa_w16-{stamp}"),
                                                (["attention.kind=swa"], "quick-swa-{stamp}"),
                                                (["attention=full"], "quick-full-{stamp}"),
-                                               (["out_dir=elsewhere", "attention.window=16"], "elsewhere")])
+                                               (["out_dir=elsewhere", "attention.window=16"], "elsewhere"),
+                                               (["model.hf=export", "attention=sa"], "runs/eval/quick-sa-{stamp}"),
+                                               (["model.hf=export", "attention=sa", "attention.window=8"],
+                                                "runs/eval/quick-sa_w8-{stamp}")])
 def test_evaluations_at_another_attention_go_to_folders_that_name_it(overrides, folder, tmp_path):
     """A run evaluated as trained and again at another window kept two <suite>-<time> folders told apart only by
-    their timestamps; the attention given on the command line is now in the name."""
+    their timestamps; the attention given on the command line is now in the name (for a model.hf export, a preset's
+    window is not: the export's own window is used)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
@@ -781,12 +785,17 @@ def test_evaluations_at_another_attention_go_to_folders_that_name_it(overrides, 
     (run / "checkpoints" / "last.ckpt").write_bytes(b"")
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        cfg = compose(config_name="evaluate", overrides=[f"ckpt={run}", *overrides], return_hydra_config=True)
+        model = [] if any(o.startswith("model.hf=") for o in overrides) else [f"ckpt={run}"]
+        cfg = compose(config_name="evaluate", overrides=[*model, *overrides], return_hydra_config=True)
     out = Path(OmegaConf.to_container(cfg.hydra.run, resolve=True)["dir"])
     if folder == "elsewhere":
         assert out == Path("elsewhere")
         return
-    assert out.parent == run / "eval"
+    if folder.startswith("runs/"):
+        folder = folder.removeprefix("runs/eval/")
+        assert out.parent == Path("runs") / "eval"
+    else:
+        assert out.parent == run / "eval"
     assert re.fullmatch(folder.format(stamp=r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"), out.name), out.name
 
 
