@@ -5,7 +5,7 @@
     python evaluate.py ckpt=<file>.ckpt eval=full attention.window=64 eval.num_seeds=5 eval.limit=100
 
 Writes results.json, results.md and lm-eval's raw output per seed to <run dir>/eval/<suite>-<timestamp>/
-(<suite>-sa_w64-<timestamp> at an attention given on the command line; or out_dir=...) and prints the table.
+(<suite>-w64-<timestamp> at a window given on the command line; or out_dir=...) and prints the table.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ def run_dir_of(ckpt: str | Path) -> Path:
 
 def eval_out_dir(ckpt, out_dir, suite, stamp, kind=None, window=None, hf=None, overrides=()) -> str:
     """hydra.run.dir: out_dir if given, else <run dir>/eval/<suite>-<timestamp> (runs/eval/... for a missing ckpt),
-    with the attention chosen on the command line between them (<suite>-sa_w16-<timestamp>, <suite>-w16-<...>), so a
-    run's evaluations at other windows are told apart by their folders as well as by their results.json. For a
-    model.hf export a preset's window is no choice (the export's own wins, see exported_attention), so it is left out."""
+    with the attention chosen on the command line between them (<suite>-sa_w16-<timestamp>, <suite>-w16-<...>),
+    so a run's evaluations at other windows are told apart by their folders as well as by their results.json.
+    For a model.hf export a preset's window is no choice (the export's own wins, see exported_attention)."""
     if out_dir not in (None, ""):
         return str(out_dir)
     base = run_dir_of(ckpt) / "eval" if ckpt and Path(str(ckpt)).exists() else Path("runs") / "eval"
-    given = attention_given(overrides)
-    if hf not in (None, "") and "window" not in given:
+    export = hf not in (None, "") and _exported_attention(str(hf)) is not None
+    if export and "window" not in attention_given(overrides):
         window = None
     if kind in (None, ""):
         tag = f"w{window}" if window not in (None, "") else ""

@@ -47,9 +47,9 @@ def test_sweep_presets_compose(preset, tmp_path):
     assert sweep["subdir"] == "${hydra.job.num}_${sa_attention_tag:${attention.kind},${attention.window}}_s${seed}"
 
 
-@pytest.mark.parametrize("attention, subdir, run_name", [("full", "3_full_s0", "full-s0"),
-                                                         ("sa", "3_sa_w32_s0", "sa-w32-s0"),
-                                                         ("gated_sa_swa", "3_gated_sa_swa_w32_s0", "gated_sa_swa-w32-s0")])
+@pytest.mark.parametrize("attention, subdir, run_name", [
+    ("full", "3_full_s0", "full-s0"), ("sa", "3_sa_w32_s0", "sa-w32-s0"),
+    ("gated_sa_swa", "3_gated_sa_swa_w32_s0", "gated_sa_swa-w32-s0")])
 def test_sweep_folders_and_run_names_carry_a_window_only_where_one_applies(attention, subdir, run_name):
     """Full attention ignores the window, yet its sweep folder was 0_full_w256_s0 and its run full-w256-s0."""
     from omegaconf import open_dict

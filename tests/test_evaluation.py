@@ -767,13 +767,16 @@ def test_sample_py_prints_seeded_samples_and_writes_nothing(tiny_ckpt, tmp_path)
                                                (["attention.kind=swa"], "quick-swa-{stamp}"),
                                                (["attention=full"], "quick-full-{stamp}"),
                                                (["out_dir=elsewhere", "attention.window=16"], "elsewhere"),
-                                               (["model.hf=export", "attention=sa"], "runs/eval/quick-sa-{stamp}"),
-                                               (["model.hf=export", "attention=sa", "attention.window=8"],
-                                                "runs/eval/quick-sa_w8-{stamp}")])
+                                               (["attention=sa", "~attention.window"], "quick-sa-{stamp}"),
+                                               (["model.hf={export}", "attention=sa"], "runs/eval/quick-sa-{stamp}"),
+                                               (["model.hf={export}", "attention=sa", "attention.window=8"],
+                                                "runs/eval/quick-sa_w8-{stamp}"),
+                                               (["model.hf=org/hub-model", "attention=sa"],
+                                                "runs/eval/quick-sa_w32-{stamp}")])
 def test_evaluations_at_another_attention_go_to_folders_that_name_it(overrides, folder, tmp_path):
     """A run evaluated as trained and again at another window kept two <suite>-<time> folders told apart only by
     their timestamps; the attention given on the command line is now in the name (for a model.hf export, a preset's
-    window is not: the export's own window is used)."""
+    window is not: the export's own window is used; a hub model runs at the preset's)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
@@ -783,6 +786,10 @@ def test_evaluations_at_another_attention_go_to_folders_that_name_it(overrides, 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    export = tmp_path / "export"  # what hf.export writes beside the weights: the attention it was trained with
+    export.mkdir()
+    (export / "sa_export.json").write_text(json.dumps({"attention": {"kind": "sa", "window": 8, "eval_seed": 0}}))
+    overrides = [o.format(export=export) for o in overrides]
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         model = [] if any(o.startswith("model.hf=") for o in overrides) else [f"ckpt={run}"]
