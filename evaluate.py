@@ -232,13 +232,14 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
     except OSError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    if num_seeds > 1:  # SA whose band spans every request is full causal attention: K seeds would score alike
+    if kind != "full":  # a band that spans every request is full causal attention (and K SA seeds score alike)
         from hf.lm_eval_runner import context_length
 
         context = context_length(model, tokenizer, eval_cfg.get("max_length"))
         if AttentionConfig(kind=kind, window=int(window)).sees_every_earlier_token(context):
-            print(f"eval: window {window} at context {context}: every query sees every earlier token, so sa scores "
-                  f"as full causal attention here: 1 seed instead of {num_seeds}", file=sys.stderr)
+            fewer = f": 1 seed instead of {num_seeds}" if num_seeds > 1 else ""
+            print(f"eval: window {window} at context {context}: every query sees every earlier token, so {kind} "
+                  f"scores as full causal attention here{fewer}", file=sys.stderr)
             num_seeds, seeds = 1, seeds[:1]
     per_seed = []
     for seed in seeds:  # evaluate_hf re-patches the loaded model with this seed

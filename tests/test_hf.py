@@ -613,3 +613,7 @@ def test_evaluate_py_hf_runs_one_sa_seed_when_the_band_spans_every_request(saved
     assert "every query sees every earlier token, so sa scores as full causal attention here: 1 seed instead of 3" \
         in capsys.readouterr().err
     assert json.loads((tmp_path / "out" / "results.json").read_text())["seeds"] == [0]
+    cfg["num_seeds"] = 1  # said for one seed and for SWA too, as for checkpoints
+    _evaluate_hf_model(str(saved_model[0]), cfg, {"kind": "swa", "window": context}, tmp_path / "swa")
+    assert "every query sees every earlier token, so swa scores as full causal attention here\n" \
+        in capsys.readouterr().err
