@@ -17,7 +17,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from model.config import AttentionConfig, attention_label, attention_tag
+from model.config import attention_label, attention_tag
 
 ROOT = Path(__file__).resolve().parent
 
@@ -43,10 +43,10 @@ def eval_out_dir(ckpt, out_dir, suite, stamp, kind=None, window=None, hf=None, o
     export = hf not in (None, "") and _exported_attention(str(hf)) is not None
     if export and "window" not in attention_given(overrides):
         window = None
-    if kind in (None, ""):
-        tag = f"w{window}" if window not in (None, "") else ""
+    if window in (None, ""):
+        tag = kind or ""
     else:
-        tag = attention_tag(kind, window) if window not in (None, "") or kind == "full" else kind
+        tag = f"w{window}" if kind in (None, "") else attention_tag(kind, window)
     return str(base / "-".join(part for part in (suite, tag, stamp) if part))
 
 
@@ -233,13 +233,13 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     if kind != "full":  # a band that spans every request is full causal attention (and K SA seeds score alike)
+        from evaluation.runner import full_attention_note
         from hf.lm_eval_runner import context_length
 
-        context = context_length(model, tokenizer, eval_cfg.get("max_length"))
-        if AttentionConfig(kind=kind, window=int(window)).sees_every_earlier_token(context):
+        covers = full_attention_note(kind, window, context_length(model, tokenizer, eval_cfg.get("max_length")))
+        if covers:
             fewer = f": 1 seed instead of {num_seeds}" if num_seeds > 1 else ""
-            print(f"eval: window {window} at context {context}: every query sees every earlier token, so {kind} "
-                  f"scores as full causal attention here{fewer}", file=sys.stderr)
+            print(f"eval: {covers}{fewer}", file=sys.stderr)
             num_seeds, seeds = 1, seeds[:1]
     per_seed = []
     for seed in seeds:  # evaluate_hf re-patches the loaded model with this seed

@@ -23,8 +23,8 @@ from model.config import attention_tag
 from tools.runlog import RunConsole, say, warnings_to_log
 
 ROOT = Path(__file__).resolve().parent
-OmegaConf.register_new_resolver("sa_attention_tag", lambda kind, window, sep="_": attention_tag(kind, window, sep),
-                                replace=True)  # run names and sweep folders: full attention carries no window
+# run names and sweep folders: full attention carries no window
+OmegaConf.register_new_resolver("sa_attention_tag", attention_tag, replace=True)
 OmegaConf.register_new_resolver("steps", lambda tokens, per: max(1, int(float(tokens)) // int(per)), replace=True)
 # data.max_tokens counts the held-out documents too: a training budget plus twice its validation share (the hash
 # split holds out about val_fraction, by documents) leaves the whole budget for training, with no wrap into a

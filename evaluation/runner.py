@@ -196,6 +196,16 @@ def skipped_line(skipped: dict[str, str], data_dir) -> str:
     return f"eval: skipping {reasons} -- fix: {fix}, or run online (unset HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)"
 
 
+def full_attention_note(kind: str, window, context: int) -> str | None:
+    """What to say when the band of `window` spans `context`: every query then sees every earlier token (None when
+    it does not, and for full attention, which has no band)."""
+    if kind == "full" or not AttentionConfig(kind=kind, window=int(window)).sees_every_earlier_token(context):
+        return None
+    gates = " (scaled by the sum of its two gates)" if kind == "gated_sa_swa" else ""
+    return (f"window {window} at context {context}: every query sees every earlier token, so {kind} scores as full "
+            f"causal attention here{gates}")
+
+
 def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, out_dir: str | Path, *,
                         loaded=None, log=None) -> dict:
     """Evaluate a checkpoint (file or run dir) on the suite `eval_cfg`; writes results.json + results.md to out_dir.
@@ -242,12 +252,9 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         notes.append(f"context {lm.max_length} tokens (trained with {trained_context}"
                      f"{'; RoPE past it is extrapolation' if lm.max_length > trained_context else ''}; "
                      "eval.max_length sets it)")
-    covers = kind != "full" and AttentionConfig(kind=kind, window=int(info["attention"]["window"])) \
-        .sees_every_earlier_token(lm.max_length)
+    covers = full_attention_note(kind, info["attention"]["window"], lm.max_length)
     if covers:
-        notes.append(f"window {info['attention']['window']} at context {lm.max_length}: every query sees every "
-                     f"earlier token, so {kind} scores as full causal attention here"
-                     f"{' (scaled by the sum of its two gates)' if kind == 'gated_sa_swa' else ''}")
+        notes.append(covers)
     if (kind not in STOCHASTIC_KINDS or covers) and num_seeds > 1:
         notes.append(f"attention kind={kind} is deterministic{' at this window' if covers else ''}: 1 seed instead "
                      f"of {num_seeds}")
