@@ -8,9 +8,9 @@ through the jobs in lockstep (shared/docs/environment.md section 4). Supported i
         for v in full swa sa gated_sa_swa; do python train.py attention=$v trainer=ddp; done
   * `trainer.strategy=ddp_spawn` (no re-execution) when a sweep must use several devices per job.
 
-Two ways to apply the guard:
-  * from train.py (one line in check_config): `from tools.guards import refuse_multirun_ddp; refuse_multirun_ddp(cfg)`
-  * as a Hydra callback, which the sweep presets in conf/experiment/ register:
+Where it applies:
+  * train.py's check_config calls `refuse_multirun_ddp(cfg)` for every run, so every multirun is refused;
+  * the sweep presets in conf/experiment/ also register it as a Hydra callback, which stops before the first job:
         hydra: {callbacks: {multirun_guard: {_target_: tools.guards.MultirunDDPGuard}}}
 """
 
