@@ -36,12 +36,13 @@ def eval_out_dir(ckpt, out_dir, suite, stamp, kind=None, window=None, hf=None, o
     """hydra.run.dir: out_dir if given, else <run dir>/eval/<suite>-<timestamp> (runs/eval/... for a missing ckpt),
     with the attention chosen on the command line between them (<suite>-sa_w16-<timestamp>, <suite>-w16-<...>),
     so a run's evaluations at other windows are told apart by their folders as well as by their results.json.
-    For a model.hf export a preset's window is no choice (the export's own wins, see exported_attention)."""
+    For a checkpoint or a model.hf export a preset's window is no choice (the model's own wins, see
+    trained_window_unless_given); a hub model runs at it."""
     if out_dir not in (None, ""):
         return str(out_dir)
     base = run_dir_of(ckpt) / "eval" if ckpt and Path(str(ckpt)).exists() else Path("runs") / "eval"
-    export = hf not in (None, "") and _exported_attention(str(hf)) is not None
-    if export and "window" not in attention_given(overrides):
+    hub = hf not in (None, "") and _exported_attention(str(hf)) is None
+    if not hub and "window" not in attention_given(overrides):
         window = None
     if window in (None, ""):
         tag = kind or ""
@@ -91,19 +92,20 @@ def main(cfg: DictConfig):
         eval_cfg["task_dir"] = str(default_task_dir(eval_cfg["data_dir"], cfg.paths.cache_dir))
     attention = {k: v for k, v in OmegaConf.to_container(cfg.attention, resolve=True).items()
                  if v is not None and k in ("kind", "window", "backend", "eval_seed")}
+    given = _attention_given()
     if cfg.model.hf:
         try:
             _check_eval_config(eval_cfg, hf=True)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
-        return evaluate_hf_model(cfg.model.hf, eval_cfg, attention, out_dir, _attention_given())
+        return evaluate_hf_model(cfg.model.hf, eval_cfg, attention, out_dir, given)
     if not cfg.ckpt:
         print("error: give ckpt=<run dir or .ckpt file> (or model.hf=<HuggingFace model>)", file=sys.stderr)
         sys.exit(2)
     try:
         _check_eval_config(eval_cfg)
-        summary = evaluate_checkpoint(cfg.ckpt, eval_cfg, attention, out_dir)
+        summary = evaluate_checkpoint(cfg.ckpt, eval_cfg, trained_window_unless_given(attention, given), out_dir)
     except (FileNotFoundError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -117,6 +119,12 @@ def main(cfg: DictConfig):
     return summary.get("avg_acc", {}) and summary["avg_acc"]["value"]
 
 
+def trained_window_unless_given(attention: dict, given: set[str]) -> dict:
+    """A trained model keeps its window and eval seed unless the command line sets them: `attention=sa` asks for SA,
+    and the preset's window and eval_seed (32 and 0) are defaults for a model that has none, not a choice."""
+    return {k: v for k, v in attention.items() if k in given or k not in ("window", "eval_seed")}
+
+
 def exported_attention(name: str, attention: dict, given: set[str] | None = None) -> dict:
     """A folder written by hf.export runs with the attention it was trained with unless attention.kind is given
     (it would otherwise run as full attention, silently), and with its window and eval_seed unless they are given.
@@ -126,7 +134,7 @@ def exported_attention(name: str, attention: dict, given: set[str] | None = None
     if trained is None:
         return attention
     if given is not None:
-        attention = {k: v for k, v in attention.items() if k in given or k not in ("window", "eval_seed")}
+        attention = trained_window_unless_given(attention, given)
     if "eval_seed" not in attention and "eval_seed" in trained:  # SA's permutations: those of the trained model
         attention = {**attention, "eval_seed": trained["eval_seed"]}
         if trained["eval_seed"]:

@@ -724,16 +724,21 @@ def _run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.Completed
 
 
 def test_evaluate_py_on_a_run_directory(tiny_ckpt, evaldata, tmp_path):
+    """Also: `attention=swa` (a preset) on an SA run trained at w=8 scored SWA at the preset's w=32; the run keeps
+    its own window unless attention.window is given."""
     folder, _, _ = evaldata
     run_dir = tiny_ckpt.parent.parent
     proc = _run([str(ROOT / "evaluate.py"), f"ckpt={run_dir}", "eval=quick", f"eval.data_dir={folder}",
-                 "eval.limit=3", f"paths.cache_dir={tmp_path / 'cache'}", "attention.backend=torch"], tmp_path)
+                 "eval.limit=3", f"paths.cache_dir={tmp_path / 'cache'}", "attention=swa", "attention.backend=torch"],
+                tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| Model | Wiki ppl ↓ | LMB ppl ↓ | LMB acc ↑ |" in proc.stdout
     assert list((tmp_path / "cache" / "eval_tasks").glob("*/wikitext.yaml"))  # converted where train.py puts them
     [out] = sorted((run_dir / "eval").glob("quick-*"))
+    assert re.fullmatch(r"quick-swa-[\d_-]+", out.name), out.name
     saved = json.loads((out / "results.json").read_text())
     assert saved["attention"]["backend"] == "torch" and saved["limit"] == 3
+    assert saved["attention"]["kind"] == "swa" and saved["attention"]["window"] == 8
     assert (out / ".hydra" / "config.yaml").is_file()
 
 
@@ -766,6 +771,7 @@ def test_sample_py_prints_seeded_samples_and_writes_nothing(tiny_ckpt, tmp_path)
                                                (["attention=sa", "attention.window=16"], "quick-sa_w16-{stamp}"),
                                                (["attention.kind=swa"], "quick-swa-{stamp}"),
                                                (["attention=full"], "quick-full-{stamp}"),
+                                               (["attention=sa"], "quick-sa-{stamp}"),  # the run's own window
                                                (["out_dir=elsewhere", "attention.window=16"], "elsewhere"),
                                                (["attention=sa", "~attention.window"], "quick-sa-{stamp}"),
                                                (["model.hf={export}", "attention=sa"], "runs/eval/quick-sa-{stamp}"),
