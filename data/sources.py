@@ -106,19 +106,76 @@ def _loads(files: list[str]):
 
 def file_documents(paths, text_field: str = "text", streaming: bool = True) -> Iterator[str]:
     """Local txt / jsonl / json / parquet files (gzip, zstd, bz2 or xz compressed too) through `datasets`' own
-    loaders, in the order of resolve_files."""
-    import datasets
-
-    for builder, group in _loads(resolve_files(paths)):
-        kwargs = {"sample_by": "document"} if builder == "text" else {}
-        # datasets globs data_files again: escaped, a file named "a[1].jsonl" is read as itself
-        ds = datasets.load_dataset(builder, data_files={"train": [glob.escape(f) for f in group]}, split="train",
-                                   streaming=streaming, **kwargs)
-        for row in ds:
+    loaders, in the order of resolve_files. Empty files hold no documents and are skipped; a file the loaders cannot
+    read is a DataSourceError that names it (theirs name no file)."""
+    files = [f for f in resolve_files(paths) if os.path.getsize(f) > 0]
+    for builder, group in _loads(files):
+        for row in _rows(builder, group, streaming):
             if text_field not in row:
                 raise ConfigError("data.source.text_field", text_field, f"not a field of {group[0]}: {sorted(row)}")
             if row[text_field]:
                 yield row[text_field]
+
+
+def _rows(builder: str, group: list[str], streaming: bool) -> Iterator[dict]:
+    import datasets
+
+    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    try:
+        # datasets globs data_files again: escaped, a file named "a[1].jsonl" is read as itself
+        ds = datasets.load_dataset(builder, data_files={"train": [glob.escape(f) for f in group]}, split="train",
+                                   streaming=streaming, **kwargs)
+    except StopIteration:  # the json loader reads a first table to fix the columns; a blank file (compressed) has none
+        return
+    except MemoryError:
+        raise
+    except Exception as err:
+        if all(_blank(f) for f in group):  # only whitespace: no documents (the non-streaming json loader refuses it)
+            return
+        raise _unreadable(group, err) from err
+    try:
+        yield from ds
+    except MemoryError:
+        raise
+    except Exception as err:  # a decoding error surfaces while rows are read, in streaming mode
+        raise _unreadable(group, err) from err
+
+
+def _unreadable(group: list[str], err: Exception) -> DataSourceError:
+    cause = err.__cause__ if isinstance(err.__cause__, Exception) else err  # datasets wraps the reader's error
+    if len(group) > 1:  # consecutive txt files share one load: find the one that does not decode
+        group = [f for f in group if not _decodes(f)] or group
+    named = ", ".join(group[:3]) + (f" and {len(group) - 3} more" if len(group) > 3 else "")
+    hint = ("text must be UTF-8: re-encode the file (e.g. iconv -f latin1 -t utf-8)"
+            if isinstance(cause, UnicodeDecodeError) else "check that the file is complete and of the type its name says")
+    first_line = (str(cause).splitlines() or [""])[0][:200]
+    return DataSourceError(f"could not read {named} ({type(cause).__name__}: {first_line}); {hint}, "
+                           "or leave it out of data.source.paths")
+
+
+def _blank(path: str) -> bool:
+    import fsspec
+
+    try:
+        with fsspec.open(path, "rb", compression="infer") as f:
+            while chunk := f.read(1 << 20):
+                if chunk.strip():
+                    return False
+        return True
+    except (OSError, EOFError, ValueError):
+        return False
+
+
+def _decodes(path: str) -> bool:
+    import fsspec
+
+    try:
+        with fsspec.open(path, "rt", compression="infer", encoding="utf-8") as f:
+            while f.read(1 << 20):
+                pass
+        return True
+    except (UnicodeDecodeError, OSError, EOFError, ValueError):
+        return False
 
 
 def hub_documents(name: str, config: str | None, split: str, text_field: str, streaming: bool = True,

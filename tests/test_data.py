@@ -222,6 +222,46 @@ def test_local_file_formats(tmp_path):
         list(file_documents([str(tmp_path / "missing*.jsonl")]))
 
 
+@pytest.mark.parametrize("streaming", [True, False])
+def test_empty_files_hold_no_documents(tmp_path, streaming):
+    """A zero-byte or blank file among the inputs (a shard still being written, a filtered-out split) is skipped:
+    the json loader raised StopIteration on it, which surfaced as "generator raised StopIteration"."""
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "first"}) + "\n")
+    (tmp_path / "b.jsonl").write_bytes(b"")
+    (tmp_path / "c.jsonl").write_text("\n\n")
+    with gzip.open(tmp_path / "d.jsonl.gz", "wt") as f:
+        f.write("")
+    (tmp_path / "e.parquet").write_bytes(b"")
+    (tmp_path / "f.txt").write_bytes(b"")
+    (tmp_path / "g.jsonl").write_text(json.dumps({"text": "last"}) + "\n")
+    assert list(file_documents([str(tmp_path)], streaming=streaming)) == ["first", "last"]
+    only_empty = tmp_path / "none"
+    only_empty.mkdir()
+    (only_empty / "b.jsonl").write_bytes(b"")
+    with pytest.raises(ConfigError, match="yielded no text"):
+        prepare(data_cfg([only_empty]), tmp_path / "prep", progress=False)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_file_the_loaders_cannot_read_is_named(tmp_path, streaming):
+    """datasets' own errors (a Latin-1 byte in txt, a broken json line, a truncated gzip) name no file, and
+    consecutive txt files are read in one call: the error names the file and says what to do."""
+    from data.sources import DataSourceError
+
+    (tmp_path / "a.txt").write_text("fine")
+    (tmp_path / "b.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    (tmp_path / "c.txt").write_text("fine too")
+    with pytest.raises(DataSourceError, match="UTF-8") as err:
+        list(file_documents([str(tmp_path / n) for n in ("a.txt", "b.txt", "c.txt")], streaming=streaming))
+    assert str(tmp_path / "b.txt") in str(err.value) and "a.txt" not in str(err.value)
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "ok"}) + "\n{broken\n")
+    with pytest.raises(DataSourceError, match="d.jsonl"):
+        list(file_documents([str(tmp_path / "d.jsonl")], streaming=streaming))
+    (tmp_path / "e.txt.gz").write_bytes(gzip.compress(b"a whole document " * 50)[:40])
+    with pytest.raises(DataSourceError, match="e.txt.gz.*complete"):
+        list(file_documents([str(tmp_path / "e.txt.gz")], streaming=streaming))
+
+
 def test_a_glob_takes_files_only(tmp_path):
     (tmp_path / "a.txt").write_text("a document")
     (tmp_path / "x.txt").mkdir()  # a folder whose name matches the glob
