@@ -142,11 +142,11 @@ def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
     validate_data_config(cfg)
     root = prepared_root(cfg, cache_dir)
     if (root / "meta.json").is_file():
-        return _load_prepared(root)
+        return _cached(cfg, root)
     root.parent.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(root.parent / f".{root.name}.lock", f"another process is preparing {root}; waiting"):
         if (root / "meta.json").is_file():  # built while we waited
-            return _load_prepared(root)
+            return _cached(cfg, root)
         with tokenizer_threads():
             return _build(cfg, root, progress)
 
@@ -169,6 +169,16 @@ def tokenizer_threads():
         yield
     finally:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _cached(cfg: dict, root: Path) -> PreparedData:
+    """The shard size is no part of the cache key (the same tokens in other cuts): a changed one is said, not lost."""
+    data = _load_prepared(root)
+    made, asked = data.meta.get("shard_tokens"), int(cfg.get("shard_tokens", 100_000_000))
+    if made is not None and made != asked:
+        say(f"note: {root} holds the same tokens in shards of data.shard_tokens={made:,}, reused as they are; "
+            f"delete that folder to cut them at {asked:,}")
+    return data
 
 
 def prepared_root(cfg, cache_dir: str | Path) -> Path:
@@ -364,6 +374,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
         "dtype": np.dtype(dtype).name,
         "tokens": counts,
         "train_shards": train_names,
+        "shard_tokens": shard_tokens,
         "val_shard": "val.bin",
         "val_fraction": cfg["val_fraction"],
         "seconds": elapsed(),

@@ -222,6 +222,19 @@ def test_local_file_formats(tmp_path):
         list(file_documents([str(tmp_path / "missing*.jsonl")]))
 
 
+def test_a_cache_cut_at_another_shard_size_is_reused_and_says_so(tmp_path, capsys):
+    (tmp_path / "corpus").mkdir()
+    for i in range(8):
+        (tmp_path / "corpus" / f"{i}.txt").write_text(f"document {i}: " + "some words to tokenize " * 50)
+    first = prepare(data_cfg([tmp_path / "corpus"], shard_tokens=1000), tmp_path / "cache", progress=False)
+    assert first.meta["shard_tokens"] == 1000
+    capsys.readouterr()
+    again = prepare(data_cfg([tmp_path / "corpus"], shard_tokens=1000), tmp_path / "cache", progress=False)
+    assert again.root == first.root and "shard_tokens" not in capsys.readouterr().err
+    other = prepare(data_cfg([tmp_path / "corpus"], shard_tokens=500), tmp_path / "cache", progress=False)
+    assert other.root == first.root and "data.shard_tokens=1,000" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("streaming", [True, False])
 def test_empty_files_hold_no_documents(tmp_path, streaming):
     """A zero-byte or blank file among the inputs (a shard still being written, a filtered-out split) is skipped:
