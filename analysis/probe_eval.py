@@ -295,8 +295,9 @@ def markdown(summary: dict) -> str:
 
 def default_folder(summary: dict, prefix: str = "probes") -> str:
     """eval/<this>: "probes" for the final checkpoint at its trained attention and probe settings, else named by what
-    differs (the checkpoint, the attention, the seeds, a hash of other probe settings), so scoring step 280, another
-    window or another context never overwrites the final result."""
+    differs (the checkpoint, the attention, the first eval seed, the number of seeds, a hash of other probe settings),
+    so scoring step 280, another window, another draw of SA's permutations or another context never overwrites the
+    final result."""
     parts = [prefix]
     if Path(summary["checkpoint"]).name != "last.ckpt":
         parts.append(Path(summary["checkpoint"]).stem)
@@ -304,8 +305,11 @@ def default_folder(summary: dict, prefix: str = "probes") -> str:
     for key in ("kind", "window"):
         if key in trained and summary["attention"][key] != trained[key]:
             parts.append(f"{key}{summary['attention'][key]}")
-    if len(summary["attention"]["eval_seeds"]) > 1:
-        parts.append(f"{len(summary['attention']['eval_seeds'])}seeds")
+    seeds = summary["attention"]["eval_seeds"]
+    if summary["attention"]["kind"] in ("sa", "gated_sa_swa") and seeds[0] != trained.get("eval_seed", 0):
+        parts.append(f"seed{seeds[0]}")  # another draw of SA's permutations: the run's own result stays
+    if len(seeds) > 1:
+        parts.append(f"{len(seeds)}seeds")
     return "_".join(parts) + setting_suffix(summary.get("setting") or {})
 
 

@@ -146,8 +146,10 @@ def _unreadable(group: list[str], err: Exception) -> DataSourceError:
     if len(group) > 1:  # consecutive txt files share one load: find the one that does not decode
         group = [f for f in group if not _decodes(f)] or group
     named = ", ".join(group[:3]) + (f" and {len(group) - 3} more" if len(group) > 3 else "")
-    hint = ("text must be UTF-8: re-encode the file (e.g. iconv -f latin1 -t utf-8)" if isinstance(cause, UnicodeDecodeError)
-            else "check that the file is complete and of the type its name says")
+    if isinstance(cause, UnicodeDecodeError):
+        hint = "text must be UTF-8: re-encode the file (e.g. iconv -f latin1 -t utf-8)"
+    else:
+        hint = "check that the file is complete and of the type its name says"
     first_line = (str(cause).splitlines() or [""])[0][:200]
     return DataSourceError(f"could not read {named} ({type(cause).__name__}: {first_line}); {hint}, "
                            "or leave it out of data.source.paths")

@@ -35,7 +35,7 @@ class LoadedModel:
         weights were trained with (results under another attention or context are reported apart)."""
         trained = self.hparams.get("attention") or {}
         return {"checkpoint_step": self.step, "checkpoint_mtime_ns": self.mtime_ns,
-                "trained_attention": {k: trained[k] for k in ("kind", "window") if k in trained},
+                "trained_attention": {k: trained[k] for k in ("kind", "window", "eval_seed") if k in trained},
                 "trained_context": ModelConfig(**self.hparams["model"]).max_seq_len}
 
 

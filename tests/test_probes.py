@@ -261,8 +261,8 @@ def test_ranks_started_together_write_the_probes_file_once(tmp_path):
 
 
 def test_probe_results_get_a_folder_of_their_own_unless_they_score_the_final_checkpoint():
-    """eval/probes is the final checkpoint's at its trained attention; scoring step 280 or another window wrote
-    there too, and the run's probe columns were taken from whichever ran last."""
+    """eval/probes is the final checkpoint's at its trained attention; scoring step 280, another window or another
+    eval seed wrote there too, and the run's probe columns were taken from whichever ran last."""
     from analysis.probe_eval import default_folder
 
     def summary(ckpt="last.ckpt", window=8, seeds=(0,)):
@@ -272,6 +272,15 @@ def test_probe_results_get_a_folder_of_their_own_unless_they_score_the_final_che
     assert default_folder(summary()) == "probes"
     assert default_folder(summary(ckpt="step0000280.ckpt")) == "probes_step0000280"
     assert default_folder(summary(window=64, seeds=(0, 1, 2))) == "probes_window64_3seeds"
+    assert default_folder(summary(seeds=(5,))) == "probes_seed5"  # attention.eval_seed=5 replaced seed 0's result
+    assert default_folder(summary(seeds=(5, 6, 7))) == "probes_seed5_3seeds"
+    trained_at_5 = summary(seeds=(5,))
+    trained_at_5["trained_attention"]["eval_seed"] = 5
+    assert default_folder(trained_at_5) == "probes"
+    swa = summary()
+    swa["attention"] = {"kind": "swa", "window": 8, "eval_seeds": [5]}  # draws no permutation: the seed is no matter
+    swa["trained_attention"]["kind"] = "swa"
+    assert default_folder(swa) == "probes"
     shorter = {**summary(), "setting": {"context": 200}}  # another probe length: another measurement
     assert default_folder(shorter).startswith("probes_") and default_folder(shorter) != default_folder(summary())
 
