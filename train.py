@@ -633,7 +633,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
 
     import lightning as L
     import torch
-    from lightning.pytorch.callbacks import LambdaCallback, ModelCheckpoint, RichProgressBar
+    from lightning.pytorch.callbacks import LambdaCallback, RichProgressBar
     from lightning.pytorch.utilities.exceptions import SIGTERMException
     from rich.console import Console
 
@@ -641,7 +641,8 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     from data.prepare import prepare
     from data.shards import atomic_write_text
     from model.config import ConfigError
-    from model.lightning_module import CheckpointOnSigterm, LitDecoder, PruneStepCheckpoints, save_step_checkpoint
+    from model.lightning_module import (CheckpointOnSigterm, LitDecoder, PruneStepCheckpoints, StepCheckpoint,
+                                        save_step_checkpoint)
 
     console = RunConsole(Console(stderr=True, soft_wrap=True))  # one message, one line (logs are grepped)
     run_dir = Path(cfg.paths.run_dir)
@@ -732,17 +733,20 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     strategy = _fsdp_strategy(cfg, _precision(cfg, use_cuda)) if cfg.trainer.strategy == "fsdp" else \
         cfg.trainer.strategy
     sigterm = CheckpointOnSigterm(ckpt_dir)
-    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, filename="step{step:07d}", auto_insert_metric_name=False,
-                                 every_n_train_steps=int(cfg.trainer.checkpoint_every_n_steps), save_top_k=-1,
-                                 save_last=True), sigterm]
+    # no version counter: a restart from an earlier checkpoint (or a resume in a copied run folder) overwrites
+    # last.ckpt and step<N>.ckpt, where Lightning wrote last-v1.ckpt beside them and every reader of last.ckpt
+    # (sample.py, evaluate.py, eval.after_train, tools.compare) took the abandoned attempt's weights
+    callbacks = [StepCheckpoint(dirpath=ckpt_dir, filename="step{step:07d}", auto_insert_metric_name=False,
+                                every_n_train_steps=int(cfg.trainer.checkpoint_every_n_steps), save_top_k=-1,
+                                save_last=True, enable_version_counter=False), sigterm]
     keep = cfg.trainer.get("keep_checkpoints")
     prune = PruneStepCheckpoints(ckpt_dir, int(keep), bool(cfg.trainer.get("keep_weights", True))) if keep else None
     callbacks += [prune] if prune else []
     if cfg.trainer.progress_bar:
         callbacks.append(RichProgressBar(leave=True))
     # A run continues its own history only from one of its own checkpoints. Otherwise an earlier run's checkpoints
-    # and metrics in this folder are moved aside: its last.ckpt would be taken for this run's (Lightning writes
-    # last-v1.ckpt beside it), and its metrics.csv rows would join this run's.
+    # and metrics in this folder are moved aside: its last.ckpt and step checkpoints would be taken for this run's
+    # until overwritten, and its metrics.csv rows would join this run's.
     resuming = _own_checkpoint(ckpt, ckpt_dir)
     if not resuming:
         aside = _set_aside_earlier_run(run_dir, ckpt_dir)

@@ -8,6 +8,7 @@ import time
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from model.config import AttentionConfig, ConfigError, ModelConfig
@@ -429,6 +430,19 @@ class PruneStepCheckpoints(L.Callback):
         from model.checkpoint import prune_step_checkpoints
 
         return prune_step_checkpoints(self.ckpt_dir, self.keep, self.keep_weights)
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint that never saves between the micro-batches of an optimizer step. Its "saved at this step" mark
+    starts at step 0, not at the step a resume starts from: resumed at step N (a multiple of the checkpoint period)
+    under gradient accumulation, it saved again after the first micro-batch of step N + 1, while global_step still
+    read N, overwriting step<N>.ckpt and last.ckpt with a state that counts that micro-batch as trained but holds
+    none of its gradient. A resume from there made step N + 1 of one micro-batch and ran the data one behind."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if getattr(pl_module, "_loss_count", 0):  # between the micro-batches of a step
+            return
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
 class CheckpointOnSigterm(L.Callback):

@@ -71,6 +71,13 @@ def test_resumed_run_reproduces_uninterrupted_losses(tmp_path, corpus_file, data
         resumed_cfg = compose_train(common + every + ["trainer.max_steps=8", "resume=auto"], run, corpus_file,
                                     data_cache)
         train(resumed_cfg)
+        # the checkpoint the resume started from still holds the step boundary: re-saved after the first
+        # micro-batch of step stop + 1 (global_step still read stop), a resume from it was one micro-batch off
+        saved = torch.load(run / "checkpoints" / f"step{stop:07d}.ckpt", weights_only=True, map_location="cpu")
+        progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+        assert progress["ready"] == 2 * stop, (stop, progress)  # two micro-batches per step
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == sorted(  # no last-v1.ckpt beside them
+            {f"step{k:07d}.ckpt" for k in range(stop, 9, stop)} | {"step0000008.ckpt", "last.ckpt"}), stop
         # metrics.csv holds the whole run: the first attempt's rows, then the resumed ones (Lightning's own CSV
         # logger deleted the first attempt's)
         logged = read_run_metrics(run / "metrics.csv")
@@ -276,6 +283,27 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_fresh_one_starts_another(tm
     second = (run / "wandb_run_id.txt").read_text().strip()
     assert second not in (first, again) and wandb_ids() == sorted([first, first, again, second])
     assert (run / "previous-1" / "wandb_run_id.txt").read_text().strip() == again
+
+
+def test_a_restart_from_an_earlier_checkpoint_replaces_the_abandoned_attempts_files(tmp_path, corpus_file,
+                                                                                    data_cache):
+    """Lightning's version counter wrote last-v1.ckpt and step0000004-v1.ckpt beside the abandoned attempt's files,
+    and sample.py, evaluate.py, eval.after_train and tools.compare all read the abandoned last.ckpt."""
+    from model.checkpoint import find_checkpoint
+
+    common = TINY + ["attention=sa", "attention.window=8", "optim.schedule_steps=4", "trainer.max_steps=4",
+                     "trainer.checkpoint_every_n_steps=2", "trainer.val_every_n_steps=4"]
+    run = tmp_path / "run"
+    train(compose_train(common, run, corpus_file, data_cache))
+    with pytest.warns(UserWarning, match="optim.lr"):
+        train(compose_train(common + ["optim.lr=1e-3", f"ckpt_path={run / 'checkpoints' / 'step0000002.ckpt'}"],
+                            run, corpus_file, data_cache))
+    assert sorted(p.name for p in (run / "checkpoints").glob("*.ckpt")) == [
+        "last.ckpt", "step0000002.ckpt", "step0000004.ckpt"]
+    for name in ("last.ckpt", "step0000004.ckpt"):
+        saved = torch.load(run / "checkpoints" / name, weights_only=True, map_location="cpu")
+        assert saved["optimizer_states"][0]["param_groups"][0]["initial_lr"] == 1e-3, name  # the restart's
+    assert find_checkpoint(run) == run / "checkpoints" / "last.ckpt"
 
 
 def test_older_step_checkpoints_shrink_to_their_weights(tmp_path, corpus_file, data_cache):
