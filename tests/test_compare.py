@@ -362,3 +362,12 @@ def test_a_run_that_stopped_early_is_marked(tmp_path, capsys):
     text = compare([str(tmp_path)], tmp_path / "out", plots=False)["markdown"]
     assert "| done | sa | 8 | 0 | 10 |" in text and "| killed | sa | 8 | 1 | 10/30 |" in text
     assert "killed stopped at step 10 of 30" in capsys.readouterr().err
+
+
+def test_where_a_run_was_launched_does_not_split_its_seeds():
+    """config.yaml holds data.cache_dir resolved ($PWD/.cache): seeds launched from two folders were two configs."""
+    from tools.runs import flat_config
+
+    a = flat_config({"seed": 0, "data": {"cache_dir": "/x/.cache", "seq_len": 64}, "optim": {"lr": 1e-3}})
+    b = flat_config({"seed": 1, "data": {"cache_dir": "/y/.cache", "seq_len": 64}, "optim": {"lr": 1e-3}})
+    assert a == b == {"data.seq_len": "64", "optim.lr": "0.001"}

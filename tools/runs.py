@@ -115,7 +115,8 @@ def read_evals(run_dir: Path, trained_attention: dict | None = None, steps: int 
 RUN_LOCAL_KEYS = ("seed", "run_name", "ckpt_path", "resume", "task_name", "paths", "logger", "eval", "hydra",
                   "attention.backend", "attention.eval_seed", "trainer.compile", "trainer.log_every_n_steps",
                   "trainer.checkpoint_every_n_steps", "trainer.val_every_n_steps", "trainer.progress_bar",
-                  "trainer.keep_checkpoints", "trainer.keep_weights", "data.num_workers", "data.probes.file")
+                  "trainer.keep_checkpoints", "trainer.keep_weights", "data.num_workers", "data.probes.file",
+                  "data.cache_dir")  # config.yaml holds it resolved: the folder a run was launched from
 
 
 def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
