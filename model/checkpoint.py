@@ -28,13 +28,15 @@ class LoadedModel:
     loss_only_after: str | None = None  # the training objective (data.loss_only_after): None = every token
     step: int | None = None  # the checkpoint's global step
     mtime_ns: int | None = None  # the file's modification time when it was read
+    attempt: str | None = None  # the training attempt that wrote it (None: written before 2026-12-04)
 
     def identity(self) -> dict:
         """What results.json records of the scored file: a later last.ckpt of a resumed run is another file, and
-        tools.runs leaves out the results of the earlier one. trained_attention and trained_context: what the
+        tools.runs leaves out the results of the earlier one (or of an abandoned attempt's, told by the attempt id when
+        a restart ended at the same step). trained_attention and trained_context: what the
         weights were trained with (results under another attention or context are reported apart)."""
         trained = self.hparams.get("attention") or {}
-        return {"checkpoint_step": self.step, "checkpoint_mtime_ns": self.mtime_ns,
+        return {"checkpoint_step": self.step, "checkpoint_mtime_ns": self.mtime_ns, "checkpoint_attempt": self.attempt,
                 "trained_attention": {k: trained[k] for k in ("kind", "window", "eval_seed") if k in trained},
                 "trained_context": ModelConfig(**self.hparams["model"]).max_seq_len}
 
@@ -89,7 +91,15 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
     tokenizer.encode_special_tokens = True  # text is text, as data.prepare encoded the training documents
     model.to(device).eval()
     return LoadedModel(model, tokenizer, eos_id(tokenizer), ckpt_path, hp, ckpt.get("loss_only_after"),
-                       ckpt.get("global_step"), mtime_ns)
+                       ckpt.get("global_step"), mtime_ns, ckpt.get("attempt"))
+
+
+def checkpoint_attempt(path: Path) -> str | None:
+    """The training attempt that wrote a checkpoint (None where unreadable or not recorded)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("attempt")
+    except Exception:  # noqa: BLE001 - unreadable: the caller falls back to what else it knows
+        return None
 
 
 def check_same_shape(saved_model: dict, cfg: ModelConfig, source: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import math
 import time
+import uuid
 
 import lightning as L
 import torch
@@ -171,6 +172,10 @@ class LitDecoder(L.LightningModule):
         self._val_totals = None
         self.resume_config_checked = False  # train.py compared the config with the checkpoint's already
         self.loss_chunk_tokens = 0  # trainer.loss_chunk_tokens: the loss over chunks of this many tokens (0: whole)
+        # Which training attempt wrote a checkpoint: a restart from an earlier checkpoint that ends at the same step
+        # as a scored last.ckpt holds other weights, and tools.runs must tell it from a copy of the same file.
+        self._attempt: str | None = None  # drawn at fit start, the same on every rank
+        self._resumed_from: tuple[str | None, int | None] = (None, None)  # the loaded checkpoint's attempt and step
 
     def on_save_checkpoint(self, checkpoint):
         # the first save after the step (ModelCheckpoint writes step<N>.ckpt, then last.ckpt) is where the step ended
@@ -180,6 +185,9 @@ class LitDecoder(L.LightningModule):
         checkpoint["loss_only_after"] = self.loss_only_after
         if self._trainer is not None:
             checkpoint["layout"] = self._layout()
+        attempt, step = self._resumed_from
+        # nothing trained since the resume (a re-save of the same weights): the same attempt
+        checkpoint["attempt"] = attempt if attempt and step == checkpoint.get("global_step") else self._attempt
 
     def _layout(self) -> dict:
         """How the steps were cut: a resume with another world size or accumulation does not continue the data
@@ -189,6 +197,7 @@ class LitDecoder(L.LightningModule):
                 "fsdp": "FSDP" in type(trainer.strategy).__name__}
 
     def on_load_checkpoint(self, checkpoint):
+        self._resumed_from = (checkpoint.get("attempt"), checkpoint.get("global_step"))
         saved_tokenizer = checkpoint.get("tokenizer")
         if saved_tokenizer is not None and self.tokenizer_json is not None:
             if not same_tokenizer(saved_tokenizer, self.tokenizer_json):
@@ -224,6 +233,9 @@ class LitDecoder(L.LightningModule):
 
     def forward(self, tokens, lengths=None):
         return self.model(tokens, lengths)
+
+    def on_fit_start(self):
+        self._attempt = self.trainer.strategy.broadcast(uuid.uuid4().hex)
 
     def on_train_start(self):
         self.model.sampler.rank = self.global_rank

@@ -289,6 +289,28 @@ def test_evals_of_an_earlier_last_checkpoint_or_another_attention_are_not_the_ru
     assert "scored an earlier" not in capsys.readouterr().err
 
 
+def test_evals_of_an_abandoned_attempt_at_the_same_step_are_not_the_runs(tmp_path, capsys):
+    """A restart from an earlier checkpoint that ends at the scored step rewrites last.ckpt with other weights: the
+    step alone kept the abandoned attempt's score. A copy of the same file (a new mtime) keeps it."""
+    import torch
+
+    from tools.runs import read_evals
+
+    run = _fake_run(tmp_path, "r", window=8, rows=[(0, 29, 2.0, 960, "")])
+    last = run / "checkpoints" / "last.ckpt"
+    torch.save({"global_step": 30, "attempt": "first"}, last)
+    (run / "eval" / "x").mkdir(parents=True)
+    (run / "eval" / "x" / "results.json").write_text(json.dumps(
+        {"checkpoint": str(last), "checkpoint_mtime_ns": last.stat().st_mtime_ns - 1, "checkpoint_step": 30,
+         "checkpoint_attempt": "first", "results": [{"task": "probe_needle", "metric": "acc", "value": 0.5}]}))
+    assert read_evals(run, steps=30) == {"probe_needle/acc": 0.5}  # a copy: same attempt, another mtime
+    torch.save({"global_step": 30, "attempt": "restart"}, last)
+    assert read_evals(run, steps=30) == {}
+    assert "scored an earlier last.ckpt (step 30)" in capsys.readouterr().err
+    last.write_bytes(b"not a checkpoint")  # unreadable: the step decides, as for files without an attempt
+    assert read_evals(run, steps=30) == {"probe_needle/acc": 0.5}
+
+
 def test_evals_past_the_trained_context_are_keyed_apart(tmp_path):
     from tools.runs import read_evals
 

@@ -624,6 +624,7 @@ def test_evaluate_checkpoint_writes_json_and_table_with_seed_spread(tiny_ckpt, e
     assert saved["checkpoint"] == str(tiny_ckpt)
     # which file was scored, and at which attention it was trained: tools.runs tells stale and window-swept results
     assert saved["checkpoint_step"] == 12 and saved["checkpoint_mtime_ns"] == tiny_ckpt.stat().st_mtime_ns
+    assert saved["checkpoint_attempt"] == torch.load(tiny_ckpt, weights_only=True, mmap=True)["attempt"]
     assert saved["trained_attention"] == {"kind": "sa", "window": 8, "eval_seed": 0}
     rows = {(r["task"], r["metric"]): r for r in saved["results"]}
     assert {("wikitext", "word_perplexity"), ("lambada_openai", "acc"), ("hellaswag", "acc_norm")} <= set(rows)

@@ -2,6 +2,7 @@
 
 import contextlib
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -289,12 +290,21 @@ def test_a_restart_from_an_earlier_checkpoint_replaces_the_abandoned_attempts_fi
                                                                                     data_cache):
     """Lightning's version counter wrote last-v1.ckpt and step0000004-v1.ckpt beside the abandoned attempt's files,
     and sample.py, evaluate.py, eval.after_train and tools.compare all read the abandoned last.ckpt."""
-    from model.checkpoint import find_checkpoint
+    from model.checkpoint import find_checkpoint, load_checkpoint
+    from tools.runs import read_evals
 
     common = TINY + ["attention=sa", "attention.window=8", "optim.schedule_steps=4", "trainer.max_steps=4",
                      "trainer.checkpoint_every_n_steps=2", "trainer.val_every_n_steps=4"]
     run = tmp_path / "run"
     train(compose_train(common, run, corpus_file, data_cache))
+    # the abandoned attempt's last.ckpt scored: the restart ends at the same step, with other weights
+    scored = load_checkpoint(run).identity()
+    assert scored["checkpoint_attempt"] and scored["checkpoint_step"] == 4
+    (run / "eval" / "abandoned").mkdir(parents=True)
+    (run / "eval" / "abandoned" / "results.json").write_text(json.dumps(
+        {"checkpoint": str(run / "checkpoints" / "last.ckpt"), **scored,
+         "results": [{"task": "probe_needle", "metric": "acc", "value": 0.5}]}))
+    assert read_evals(run, steps=4) == {"probe_needle/acc": 0.5}
     with pytest.warns(UserWarning, match="optim.lr"):
         train(compose_train(common + ["optim.lr=1e-3", f"ckpt_path={run / 'checkpoints' / 'step0000002.ckpt'}"],
                             run, corpus_file, data_cache))
@@ -304,6 +314,8 @@ def test_a_restart_from_an_earlier_checkpoint_replaces_the_abandoned_attempts_fi
         saved = torch.load(run / "checkpoints" / name, weights_only=True, map_location="cpu")
         assert saved["optimizer_states"][0]["param_groups"][0]["initial_lr"] == 1e-3, name  # the restart's
     assert find_checkpoint(run) == run / "checkpoints" / "last.ckpt"
+    assert load_checkpoint(run).attempt != scored["checkpoint_attempt"]
+    assert read_evals(run, steps=4) == {}  # the step and the name are the same; the attempt is not
 
 
 def test_older_step_checkpoints_shrink_to_their_weights(tmp_path, corpus_file, data_cache):
@@ -548,6 +560,22 @@ def test_non_finite_loss_stops_with_the_step():
         module.model.embed.weight.fill_(float("nan"))
     with pytest.raises(NonFiniteLossError, match="at step 0"):
         module.training_step(torch.randint(0, 32, (2, 9)), 0)
+
+
+def test_a_resave_without_training_keeps_the_checkpoints_attempt():
+    """A resume with nothing left to train re-saves the same weights: scores of the loaded file still hold."""
+    module = LitDecoder(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
+                        attention=dict(kind="sa", window=4), optim={}, max_steps=10)
+    module._attempt = "this-run"
+    module.on_load_checkpoint({"attempt": "loaded", "global_step": 4, "hyper_parameters": dict(module.hparams)})
+    for step, attempt in ((4, "loaded"), (5, "this-run")):
+        saved = {"global_step": step}
+        module.on_save_checkpoint(saved)
+        assert saved["attempt"] == attempt, step
+    module.on_load_checkpoint({"global_step": 4, "hyper_parameters": dict(module.hparams)})  # older: none recorded
+    saved = {"global_step": 4}
+    module.on_save_checkpoint(saved)
+    assert saved["attempt"] == "this-run"
 
 
 def test_a_non_finite_loss_on_another_rank_stops_this_one_too(monkeypatch):
