@@ -26,6 +26,7 @@ import numpy as np
 
 from analysis.probe_eval import default_folder, parse_args, run_dir_of
 from data.shards import atomic_write_text
+from model.config import STOCHASTIC_KINDS
 
 DEFAULTS = {"ckpt": None, "text": None, "text_field": "text", "context": None, "windows": 128, "buckets": 12,
             "seeds": 1, "batch_size": 4, "device": "cpu", "out": None}
@@ -119,7 +120,7 @@ def score_run(ckpt: str, given: dict, attention: dict, log) -> dict:
             "extrapolation (RoPE positions never seen in training)")
     docs, source = documents_of(loaded, run_dir, given["text"], given["text_field"])
     windows = cut_windows(docs, context + 1, int(given["windows"]))
-    seeds = [acfg.eval_seed + i for i in range(int(given["seeds"]))] if acfg.kind in ("sa", "gated_sa_swa") else [0]
+    seeds = [acfg.eval_seed + i for i in range(int(given["seeds"]))] if acfg.kind in STOCHASTIC_KINDS else [0]
     if loaded.loss_only_after:
         log(f"warning: {ckpt} trained its loss only on the token after {loaded.loss_only_after!r} "
             "(data.loss_only_after); its loss on every other token says little about it")

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from data.shards import atomic_write_text
+from model.config import STOCHASTIC_KINDS
 
 DEFAULTS = {"ckpt": None, "task": "kv,passkey", "num": 200, "num_pairs": 8, "key_digits": 3, "value_digits": 4,
             "filler": "sentences", "seed": 1234, "seeds": 1,
@@ -229,7 +230,7 @@ def evaluate(given: dict, attention: dict | None = None, log=print) -> dict:
         raise SystemExit(f"error: context={context} exceeds the model's max_seq_len={mcfg.max_seq_len}")
     if int(cfg["seeds"]) < 1:
         raise SystemExit(f"error: seeds={cfg['seeds']} must be >= 1 (eval permutation seeds to average over)")
-    uses_perm = acfg.kind in ("sa", "gated_sa_swa")
+    uses_perm = acfg.kind in STOCHASTIC_KINDS
     seeds = [acfg.eval_seed + i for i in range(int(cfg["seeds"]) if uses_perm else 1)]
     if int(cfg["seeds"]) > 1 and not uses_perm:
         log(f"attention {acfg.kind} draws no permutation: one pass instead of seeds={cfg['seeds']}")
@@ -306,7 +307,7 @@ def default_folder(summary: dict, prefix: str = "probes") -> str:
         if key in trained and summary["attention"][key] != trained[key]:
             parts.append(f"{key}{summary['attention'][key]}")
     seeds = summary["attention"]["eval_seeds"]
-    if summary["attention"]["kind"] in ("sa", "gated_sa_swa") and seeds[0] != trained.get("eval_seed", 0):
+    if summary["attention"]["kind"] in STOCHASTIC_KINDS and seeds[0] != trained.get("eval_seed", 0):
         parts.append(f"seed{seeds[0]}")  # another draw of SA's permutations: the run's own result stays
     if len(seeds) > 1:
         parts.append(f"{len(seeds)}seeds")

@@ -19,10 +19,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from data.shards import atomic_write_text
-from model.config import AttentionConfig, attention_label
+from model.config import STOCHASTIC_KINDS, AttentionConfig, attention_label
 
 ROOT = Path(__file__).resolve().parents[1]
-STOCHASTIC_KINDS = ("sa", "gated_sa_swa")  # attention whose eval scores depend on the permutation seed
 DEFAULTS = {"name": "custom", "tasks": ["wikitext", "lambada_openai"], "data_dir": None, "batch_size": 16,
             "limit": None, "num_seeds": 1, "device": "auto", "dtype": None, "max_length": None,
             "bootstrap_iters": 1000, "task_dir": None, "after_train": False}

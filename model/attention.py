@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels import banded_attention
-from model.config import MOBA_TOP_K, AttentionConfig, ModelConfig, moba_block_size
+from model.config import MOBA_TOP_K, STOCHASTIC_KINDS, AttentionConfig, ModelConfig, moba_block_size
 from model.layers import Rotary
 from model.permutation import PermutationSampler
 
@@ -46,7 +46,7 @@ class Attention(nn.Module):
 
     @property
     def uses_perm(self) -> bool:
-        return self.attn.kind in ("sa", "gated_sa_swa")
+        return self.attn.kind in STOCHASTIC_KINDS
 
     def draw_perm(self, n: int, batch: int, lengths=None, device=None) -> torch.Tensor | None:
         """This layer's pi for the next forward pass (None when the layer has no SA path)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 ATTENTION_KINDS = ("full", "swa", "sa", "gated_sa_swa", "moba")
+STOCHASTIC_KINDS = ("sa", "gated_sa_swa")  # drawing permutations: their eval scores depend on attention.eval_seed
 BACKENDS = ("auto", "torch", "triton", "flex", "naive")
 MOBA_TOP_K = 2  # MoBA as the paper compares it: each query's top-2 key blocks of w/2, about w keys
 

@@ -311,6 +311,31 @@ def test_evals_of_an_abandoned_attempt_at_the_same_step_are_not_the_runs(tmp_pat
     assert read_evals(run, steps=30) == {"probe_needle/acc": 0.5}
 
 
+def test_evals_at_another_eval_seed_are_keyed_apart(tmp_path):
+    """Another draw of SA's permutations (attention.eval_seed=5) shared seed 0's column, and the newer file won."""
+    from tools.runs import read_evals
+
+    run = _fake_run(tmp_path, "r", window=8, rows=[(0, 9, 2.0, 960, "")])
+    for folder, attention, value in (
+            ("own", {"kind": "sa", "window": 8, "eval_seed": 0}, 0.5),  # evaluation.runner
+            ("seed5", {"kind": "sa", "window": 8, "eval_seed": 5}, 0.4),
+            ("probes_seed7_3seeds", {"kind": "sa", "window": 8, "eval_seeds": [7, 8, 9]}, 0.3),  # probe_eval
+            ("swa_seed5", {"kind": "swa", "window": 8, "eval_seed": 5}, 0.2)):  # draws no permutation
+        (run / "eval" / folder).mkdir(parents=True)
+        (run / "eval" / folder / "results.json").write_text(json.dumps(
+            {"checkpoint": str(run / "checkpoints" / "last.ckpt"), "attention": attention,
+             "trained_attention": {"kind": "sa", "window": 8, "eval_seed": 0},
+             "results": [{"task": "probe_needle", "metric": "acc", "value": value}]}))
+    assert read_evals(run) == {"probe_needle/acc": 0.5, "probe_needle/acc [eval_seed=5]": 0.4,
+                               "probe_needle/acc [eval_seed=7]": 0.3, "probe_needle/acc [kind=swa]": 0.2}
+    # a run evaluated by default at eval_seed 5 (its config's): that is its own column
+    (run / "eval" / "own" / "results.json").unlink()
+    trained = json.loads((run / "eval" / "seed5" / "results.json").read_text())
+    trained.pop("trained_attention")  # an older file: the run's config says which seed is its own
+    (run / "eval" / "seed5" / "results.json").write_text(json.dumps(trained))
+    assert read_evals(run, {"kind": "sa", "window": 8, "eval_seed": 5})["probe_needle/acc"] == 0.4
+
+
 def test_evals_past_the_trained_context_are_keyed_apart(tmp_path):
     from tools.runs import read_evals
 

@@ -48,11 +48,20 @@ def _final_checkpoint(run_dir: Path) -> Path | None:
 
 def _attention_label(data: dict, trained: dict | None) -> str:
     """"" for results at the attention and context the run trained with, on whole evaluation sets, else what
-    differs: " [window=64]", " [context=4096]", " [limit=10]" (a window sweep at evaluation, or a smoke test on 10
-    examples, is another column, never the trained model's score)."""
+    differs: " [window=64]", " [context=4096]", " [limit=10]", " [eval_seed=5]" (a window sweep at evaluation, a
+    smoke test on 10 examples or another draw of SA's permutations is another column, never the trained model's
+    score)."""
+    from model.config import STOCHASTIC_KINDS
+
     used = data.get("attention") or {}
-    trained = data.get("trained_attention") or trained or {}
+    run_config = trained or {}
+    trained = data.get("trained_attention") or run_config
     diff = [f"{k}={used[k]}" for k in ("kind", "window") if k in used and k in trained and used[k] != trained[k]]
+    # the first eval seed: evaluation.runner records it as eval_seed, probe_eval and position_loss as eval_seeds
+    seed = used.get("eval_seed", (used.get("eval_seeds") or [None])[0])
+    own = trained.get("eval_seed", run_config.get("eval_seed", 0))
+    if used.get("kind", trained.get("kind")) in STOCHASTIC_KINDS and seed is not None and seed != own:
+        diff.append(f"eval_seed={seed}")
     if data.get("trained_context") and data.get("max_length") not in (None, data["trained_context"]):
         diff.append(f"context={data['max_length']}")
     if data.get("limit"):
