@@ -418,3 +418,7 @@ def test_where_a_run_was_launched_does_not_split_its_seeds():
     a = flat_config({"seed": 0, "data": {"cache_dir": "/x/.cache", "seq_len": 64}, "optim": {"lr": 1e-3}})
     b = flat_config({"seed": 1, "data": {"cache_dir": "/y/.cache", "seq_len": 64}, "optim": {"lr": 1e-3}})
     assert a == b == {"data.seq_len": "64", "optim.lr": "0.001"}
+    # nor how it was computed: a seed rerun with recomputed blocks and a chunked loss to fit a smaller GPU
+    c = flat_config({"seed": 2, "data": {"seq_len": 64, "val_batch_size": 4}, "optim": {"lr": 1e-3},
+                     "trainer": {"activation_checkpointing": True, "loss_chunk_tokens": 4096}})
+    assert c == a

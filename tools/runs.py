@@ -127,12 +127,14 @@ def read_evals(run_dir: Path, trained_attention: dict | None = None, steps: int 
     return out
 
 
-# Config keys that say where or how a run was launched, logged and evaluated, not what was trained: runs that differ
-# only in these (and the seed) are seeds of one configuration.
+# Config keys that say where or how a run was launched, computed, logged and evaluated, not what was trained: runs
+# that differ only in these (and the seed) are seeds of one configuration. The compute ones change no more than the
+# order of float sums (recomputed blocks, a chunked loss, validation batches).
 RUN_LOCAL_KEYS = ("seed", "run_name", "ckpt_path", "resume", "task_name", "paths", "logger", "eval", "hydra",
                   "attention.backend", "attention.eval_seed", "trainer.compile", "trainer.log_every_n_steps",
                   "trainer.checkpoint_every_n_steps", "trainer.val_every_n_steps", "trainer.progress_bar",
-                  "trainer.keep_checkpoints", "trainer.keep_weights", "data.num_workers", "data.probes.file",
+                  "trainer.keep_checkpoints", "trainer.keep_weights", "trainer.activation_checkpointing",
+                  "trainer.loss_chunk_tokens", "data.num_workers", "data.val_batch_size", "data.probes.file",
                   "data.cache_dir")  # config.yaml holds it resolved: the folder a run was launched from
 
 
