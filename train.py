@@ -19,12 +19,13 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from model.config import attention_tag
+from model.config import attention_tag, window_tag
 from tools.runlog import RunConsole, say, warnings_to_log
 
 ROOT = Path(__file__).resolve().parent
 # run names and sweep folders: full attention carries no window
 OmegaConf.register_new_resolver("sa_attention_tag", attention_tag, replace=True)
+OmegaConf.register_new_resolver("sa_window_tag", window_tag, replace=True)
 OmegaConf.register_new_resolver("steps", lambda tokens, per: max(1, int(float(tokens)) // int(per)), replace=True)
 # data.max_tokens counts the held-out documents too: a training budget plus twice its validation share (the hash
 # split holds out about val_fraction, by documents) leaves the whole budget for training, with no wrap into a
@@ -341,7 +342,7 @@ def _loggers(cfg, run_dir: Path, resume_step: int | None):
         if mode != "disabled":
             os.environ["WANDB_MODE"] = mode
             loggers.append(WandbLogger(project=wb.project, entity=wb.entity, group=wb.group, name=cfg.run_name,
-                                       tags=list(wb.tags), save_dir=str(run_dir), offline=mode == "offline",
+                                       tags=[t for t in wb.tags if t], save_dir=str(run_dir), offline=mode == "offline",
                                        config=OmegaConf.to_container(cfg, resolve=True),
                                        id=_wandb_run_id(run_dir, resume_step), resume="allow"))
     return loggers

@@ -25,6 +25,11 @@ def attention_tag(kind, window, sep: str = "_") -> str:
     return "full" if kind == "full" else f"{kind}{sep}w{window}"
 
 
+def window_tag(kind, window) -> str:
+    """The W&B tag of the window: `w32`, or "" (no tag) for full attention, which has none."""
+    return "" if kind == "full" else f"w{window}"
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a size
 

@@ -42,25 +42,33 @@ def test_sweep_presets_compose(preset, tmp_path):
     wandb = OmegaConf.to_container(full.logger.wandb, resolve=False)
     assert wandb["group"] == "${task_name}_${now:%Y-%m-%d_%H-%M-%S}"  # one W&B group per sweep (= its folder)
     assert full.task_name == preset
-    assert "${attention.kind}" in wandb["tags"] and "w${attention.window}" in wandb["tags"]
+    assert "${attention.kind}" in wandb["tags"] and "${sa_window_tag:${attention.kind},${attention.window}}" in \
+        wandb["tags"]
     sweep = OmegaConf.to_container(full.hydra.sweep, resolve=False)
     assert sweep["subdir"] == "${hydra.job.num}_${sa_attention_tag:${attention.kind},${attention.window}}_s${seed}"
 
 
-@pytest.mark.parametrize("attention, subdir, run_name", [
-    ("full", "3_full_s0", "full-s0"), ("sa", "3_sa_w32_s0", "sa-w32-s0"),
-    ("gated_sa_swa", "3_gated_sa_swa_w32_s0", "gated_sa_swa-w32-s0")])
-def test_sweep_folders_and_run_names_carry_a_window_only_where_one_applies(attention, subdir, run_name):
-    """Full attention ignores the window, yet its sweep folder was 0_full_w256_s0 and its run full-w256-s0."""
+@pytest.mark.parametrize("attention, subdir, run_name, tags", [
+    ("full", "3_full_s0", "full-s0", ["full", "s0", "t"]), ("sa", "3_sa_w32_s0", "sa-w32-s0", ["sa", "w32", "s0", "t"]),
+    ("gated_sa_swa", "3_gated_sa_swa_w32_s0", "gated_sa_swa-w32-s0", ["gated_sa_swa", "w32", "s0", "t"])])
+def test_sweep_folders_and_run_names_carry_a_window_only_where_one_applies(attention, subdir, run_name, tags,
+                                                                           tmp_path, monkeypatch):
+    """Full attention ignores the window, yet its sweep folder was 0_full_w256_s0, its run full-w256-s0, and its
+    W&B tags held w256."""
     from omegaconf import open_dict
 
-    import train  # noqa: F401  (registers the resolver the names use)
+    import train
 
-    cfg = compose_with_hydra([f"attention={attention}"])
+    cfg = compose_with_hydra([f"attention={attention}", "logger=wandb_sweep", "task_name=t"])
     with open_dict(cfg):
         cfg.hydra.job.num = 3
     assert OmegaConf.to_container(cfg.hydra.sweep, resolve=True)["subdir"] == subdir
     assert cfg.run_name == run_name
+    monkeypatch.setenv("WANDB_MODE", "offline")  # _loggers sets it for the process: restored after the test
+    run = compose_train([f"attention={attention}", "logger=wandb_sweep", "logger.wandb.mode=offline", "task_name=t",
+                         "attention.window=32"], tmp_path)
+    wandb = [log for log in train._loggers(run, tmp_path, None) if type(log).__name__ == "WandbLogger"]
+    assert wandb[0]._wandb_init["tags"] == tags
 
 
 def test_presets_sizes(tmp_path):
