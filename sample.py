@@ -57,7 +57,14 @@ def sample(cfg: DictConfig) -> list[str]:
     samples = generate(loaded.model, prompt, int(cfg.max_new_tokens), int(cfg.num_samples), float(cfg.temperature),
                        cfg.top_k, cfg.top_p, loaded.eos_id, generator,
                        None if dtype == "float32" else getattr(torch, dtype))
-    return [cfg.prompt + loaded.tokenizer.decode(ids) for ids in samples]
+    return [cfg.prompt + continuation(loaded.tokenizer, prompt, ids) for ids in samples]
+
+
+def continuation(tokenizer, prompt: list[int], ids: list[int]) -> str:
+    """The text `ids` add after `prompt`, decoded together: decoded alone, a SentencePiece-style decoder (Llama-2,
+    Mistral) strips the continuation's leading space and glued its first word to the prompt's last."""
+    head, whole = tokenizer.decode(prompt), tokenizer.decode(prompt + list(ids))
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(ids)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="sample")

@@ -59,3 +59,20 @@ def test_a_training_model_is_given_back_training():
     model.train()
     generate(model, [1, 2], 3)
     assert model.training  # else the rest of a run that sampled from a callback would train on eval-seed pi
+
+
+def test_a_continuation_keeps_its_leading_space_under_a_sentencepiece_decoder():
+    """Decoded alone, a Llama-2-style decoder (its Strip of one leading space) glued "of" + "the" into "ofthe"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from sample import continuation
+
+    vocab = {"<unk>": 0, "▁The": 1, "▁history": 2, "▁of": 3, "▁the": 4, "▁world": 5}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    prompt = tok.encode("The history of", add_special_tokens=False).ids
+    assert tok.decode([4, 5]) == "the world"  # the bug's cause: the leading space is stripped
+    assert "The history of" + continuation(tok, prompt, [4, 5]) == "The history of the world"
+    assert continuation(tok, prompt, []) == ""
