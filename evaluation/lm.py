@@ -34,6 +34,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 log = logging.getLogger(__name__)
 
 ATTENTION_ARGS = ("kind", "window", "backend", "eval_seed")
+MAX_TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -256,7 +257,9 @@ class SALM(TemplateLM):
             gen_kwargs = dict(gen_kwargs or {})
             until = gen_kwargs.pop("until", None) or []
             until = [stop for stop in ([until] if isinstance(until, str) else until) if stop]  # "" is in any text
-            max_gen = int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks))
+            # lm-eval's aliases, in its priority order (HFLM reads them all; a task YAML may use max_new_tokens)
+            lengths = [gen_kwargs.pop(key, None) for key in MAX_TOKEN_KEYS]
+            max_gen = int(next((n for n in lengths if n is not None), self.max_gen_toks))
             if gen_kwargs.get("do_sample") or float(gen_kwargs.get("temperature", 0.0) or 0.0) > 0:
                 log.warning("sa-lm decodes greedily; ignoring sampling arguments %s", gen_kwargs)
             context_enc = self.tok_encode(context) if context else [self.prefix_token_id]

@@ -373,6 +373,15 @@ def test_generate_until_is_greedy_and_stops(salm, loaded):
     assert out[0] == loaded.tokenizer.decode(gen).split("\n")[0]
 
 
+def test_generate_until_reads_lm_evals_length_aliases(salm):
+    """A task's max_new_tokens was ignored: sa-lm generated up to 256 tokens where HFLM stops at N."""
+    lengths = [{"max_gen_toks": 3}, {"max_new_tokens": 3}, {"max_tokens": 3}, {"max_completion_tokens": 3},
+               {"max_gen_toks": 3, "max_new_tokens": 50}, {"max_gen_toks": 50}]  # lm-eval's priority: max_gen_toks
+    out = salm.generate_until(requests("generate_until", [("The value of the", {"until": [], **n}) for n in lengths]))
+    assert out[0] and out[1:5] == [out[0]] * 4
+    assert out[5].startswith(out[0]) and out[5] != out[0]
+
+
 def test_model_args_from_the_lm_eval_command_line(tiny_ckpt):
     from lm_eval.api.registry import get_model
 
