@@ -37,31 +37,33 @@ def default_task_dir(data_dir: str | Path, cache_dir: str | Path | None = None) 
     return root / "eval_tasks" / key
 
 
-def task_names(tasks) -> list[str]:
-    """eval.tasks as a list of names; a string (`eval.tasks=wikitext` on the command line) is comma-separated."""
+def task_names(tasks, key: str = "eval.tasks") -> list[str]:
+    """eval.tasks as a list of names; a string (`eval.tasks=wikitext` on the command line) is comma-separated. `key`:
+    the setting an error names (`--tasks` on a command line of flags)."""
     from model.config import ConfigError
 
     names = [str(t).strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks or [])]
     if not names or not all(names):
-        raise ConfigError("eval.tasks", tasks,
-                          "give task names, e.g. eval.tasks=[wikitext,lambada_openai] or eval.tasks=wikitext")
+        raise ConfigError(key, tasks, "give task names, e.g. eval.tasks=[wikitext,lambada_openai] or "
+                          "eval.tasks=wikitext" if key == "eval.tasks" else f"give task names, e.g. {key} wikitext,piqa")
     return names
 
 
-def check_task_names(tasks) -> list[str]:
+def check_task_names(tasks, key: str = "eval.tasks") -> list[str]:
     """eval.tasks as names, each a local task or one of lm-eval's (whose index, ~14 s, is read only when a name is
-    not local): for train.py to refuse a misspelled suite before training rather than after it."""
+    not local): for train.py to refuse a misspelled suite before training rather than after it, and hf's sweep
+    before it loads the model."""
     from evaluation.local_tasks import KNOWN_TASKS
 
-    names = task_names(tasks)
+    names = task_names(tasks, key)
     if any(name not in KNOWN_TASKS for name in names):
         from lm_eval.tasks import TaskManager
 
-        _refuse_unknown(names, TaskManager())
+        _refuse_unknown(names, TaskManager(), key)
     return names
 
 
-def _refuse_unknown(tasks: list[str], task_manager) -> None:
+def _refuse_unknown(tasks: list[str], task_manager, key: str = "eval.tasks") -> None:
     """A misspelled name is a config error, not a task whose data could not be found."""
     import difflib
 
@@ -75,7 +77,7 @@ def _refuse_unknown(tasks: list[str], task_manager) -> None:
         close = difflib.get_close_matches(name, known, n=1)
         problems.append(f"unknown task {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
     if problems:
-        raise ConfigError("eval.tasks", tasks, "; ".join(problems) + f" (local tasks: {', '.join(KNOWN_TASKS)}; "
+        raise ConfigError(key, tasks, "; ".join(problems) + f" (local tasks: {', '.join(KNOWN_TASKS)}; "
                           "`lm-eval ls tasks` lists lm-eval's)")
 
 

@@ -234,12 +234,16 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     limit = None if a.limit is None else (int(a.limit) if a.limit >= 1 else a.limit)
-    batch = a.batch_size if a.batch_size == "auto" else int(a.batch_size)
+    batch = a.batch_size if a.batch_size.startswith("auto") else int(a.batch_size)  # HFLM's auto, auto:N
+    from evaluation.runner import check_task_names
+    from model.config import ConfigError
+
     try:
+        check_task_names(a.tasks, "--tasks")  # before minutes of loading the model
         sweep(a.model, a.kinds.split(","), [int(w) for w in a.windows.split(",")], a.tasks.split(","), a.out,
               batch_size=batch, limit=limit, device=a.device, seed=a.seed, dtype=a.dtype, backend=a.backend,
               data_dir=a.data_dir, max_length=a.max_length, bootstrap_iters=a.bootstrap_iters)
-    except OSError as err:  # load_hf_model's one-line message: the model is neither local nor reachable
+    except (OSError, ConfigError) as err:  # load_hf_model's: the model is neither local nor reachable
         raise SystemExit(f"error: {err}") from None
 
 

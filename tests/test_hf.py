@@ -240,6 +240,16 @@ def test_a_model_that_cannot_be_loaded_gets_one_line(tmp_path):
     assert "\n" not in str(err.value)
 
 
+def test_the_sweep_refuses_a_misspelled_task_before_loading_the_model(tmp_path, monkeypatch):
+    """It loaded the model (minutes for an 8B one), then failed with a traceback naming the Hydra key eval.tasks."""
+    import hf.patch
+    from hf.lm_eval_runner import main
+
+    monkeypatch.setattr(hf.patch, "load_hf_model", lambda *a, **k: pytest.fail("loaded before the tasks were checked"))
+    with pytest.raises(SystemExit, match=r"^error: .*--tasks.*unknown task 'hellaswg'; did you mean 'hellaswag'"):
+        main(["--model", str(tmp_path / "m"), "--tasks", "piqa,hellaswg", "--out", str(tmp_path / "out")])
+
+
 @pytest.mark.parametrize("kind", ["swa", "sa", "moba"])
 def test_generation_prefill_patched_decode_full(tiny, ids, kind):
     prompt = ids[:, :12]
@@ -284,7 +294,7 @@ def test_a_model_with_its_own_attention_code_is_refused():
 
 
 def test_patched_attention_runs_under_autocast(tiny, ids):
-    """Under autocast RoPE's fp32 cos/sin make q and k fp32 while v stays bf16 (lm-eval's autocast_dtype path)."""
+    """Under autocast RoPE's fp32 cos/sin make q and k fp32 while v stays bf16 (lm-eval's mixed_precision_dtype path)."""
     expected = _logits(tiny, ids, "sa", 7)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = _logits(tiny, ids, "sa", 7)
