@@ -178,8 +178,12 @@ def primary_scores(results: dict) -> dict[str, float]:
     return scores
 
 
+SWEEP_SETTINGS = ("limit", "seed", "dtype", "backend", "moba_top_k", "data_dir", "max_length", "num_fewshot")
+
+
 def sweep(model_name_or_path, kinds, windows, tasks, out_dir, **kwargs) -> list[dict]:
     """Load once; evaluate every (kind, window) (full once); one JSON per configuration + summary.md in out_dir."""
+    from data.shards import atomic_write_text
     from hf.patch import load_hf_model
 
     out = Path(out_dir)
@@ -188,29 +192,36 @@ def sweep(model_name_or_path, kinds, windows, tasks, out_dir, **kwargs) -> list[
     model, tokenizer = load_hf_model(model_name_or_path, "full", None, **load_kwargs)
     configs = [("full", None)] if "full" in kinds else []
     configs += [(kind, int(w)) for kind in kinds if kind != "full" for w in windows]
+    # what a finished configuration's scores depend on: another value runs it again
+    settings = json.loads(json.dumps({"tasks": list(tasks), **{k: kwargs.get(k) for k in SWEEP_SETTINGS}},
+                                     default=str))
+    shown = [t if isinstance(t, str) else t["task"] for t in tasks]  # names, also of task config dicts
     rows = []
     for kind, window in configs:
         name = kind if window is None else f"{kind}_w{window}"
         path = out / f"{name}.json"
-        if path.exists():  # resumable: a finished configuration is not run again
-            results = json.loads(path.read_text())
-        else:
-            results = evaluate_hf(model_name_or_path, kind, window, tasks, model=model, tokenizer=tokenizer, **kwargs)
+        results = json.loads(path.read_text()) if path.exists() else None  # resumable: finished ones are kept
+        if results is not None and results.get("sweep_settings") != settings:
+            log.info("%s: %s was run with other settings (%s); running it again", name, path,
+                     results.get("sweep_settings"))
+            results = None
+        if results is None:
             from lm_eval.utils import handle_non_serializable
 
-            path.write_text(json.dumps(results, indent=1, default=handle_non_serializable))
+            results = evaluate_hf(model_name_or_path, kind, window, tasks, model=model, tokenizer=tokenizer, **kwargs)
+            results["sweep_settings"] = settings
+            atomic_write_text(path, json.dumps(results, indent=1, default=handle_non_serializable))
         scores = primary_scores(results)
-        shown = [t for t in tasks if isinstance(t, str)]
         avg = sum(scores[t] for t in shown if t in scores) / max(1, sum(t in scores for t in shown))
         rows.append({"config": name, "kind": kind, "window": window, "scores": scores, "avg": avg})
         print(f"{name:>12}  avg {avg:6.2f}  " + "  ".join(f"{t} {scores.get(t, float('nan')):.1f}" for t in shown),
               flush=True)
-    header = "| config | " + " | ".join(str(t) for t in tasks) + " | Avg |\n|---|" + "---|" * (len(tasks) + 1) + "\n"
-    lines = [f"| {r['config']} | " + " | ".join(f"{r['scores'].get(t, float('nan')):.1f}" for t in tasks)
+    header = "| config | " + " | ".join(shown) + " | Avg |\n|---|" + "---|" * (len(shown) + 1) + "\n"
+    lines = [f"| {r['config']} | " + " | ".join(f"{r['scores'].get(t, float('nan')):.1f}" for t in shown)
              + f" | {r['avg']:.1f} |" for r in rows]
-    (out / "summary.md").write_text(f"{model_name_or_path}, w_eff sweep (prefill pattern; decode full)\n\n"
-                                    + header + "\n".join(lines) + "\n")
-    (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    atomic_write_text(out / "summary.md", f"{model_name_or_path}, w_eff sweep (prefill pattern; decode full)\n\n"
+                      + header + "\n".join(lines) + "\n")
+    atomic_write_text(out / "summary.json", json.dumps(rows, indent=1))
     return rows
 
 

@@ -392,6 +392,22 @@ def test_lm_eval_runs_a_local_task_on_the_patched_model(saved_model):
     assert _loglikelihoods(moba) == pytest.approx(full, abs=1e-4)
 
 
+def test_a_resumed_sweep_reruns_a_configuration_whose_settings_changed(saved_model, tmp_path):
+    """Resumable: a finished configuration is kept, but one scored on --limit 4 was kept for a run on every example."""
+    from hf.lm_eval_runner import sweep
+
+    folder, data = saved_model
+    common = dict(device="cpu", dtype="float32", seed=0, bootstrap_iters=0)
+    first = sweep(str(folder), ["sa"], [4], [_task(data)], tmp_path, limit=4, **common)
+    saved = tmp_path / "sa_w4.json"
+    stamp = saved.stat().st_mtime_ns
+    assert sweep(str(folder), ["sa"], [4], [_task(data)], tmp_path, limit=4, **common) == first
+    assert saved.stat().st_mtime_ns == stamp  # the same settings: read back, not run again
+    sweep(str(folder), ["sa"], [4], [_task(data)], tmp_path, limit=None, **common)
+    results = json.loads(saved.read_text())
+    assert results["sweep_settings"]["limit"] is None and results["n-samples"]["tiny_mc"]["effective"] == 8
+
+
 def test_hf_package_does_not_import_transformers():
     import subprocess
     import sys
