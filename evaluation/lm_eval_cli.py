@@ -31,28 +31,27 @@ def _pop_option(argv: list[str], name: str) -> str | None:
     return None
 
 
+def _options(argv: list[str]):
+    """The options this wrapper reads, in every spelling lm-eval's parser takes: abbreviations (--task, --batch),
+    attached values (-t=piqa, -f5, --batch_size=8), several task values (--tasks piqa arc_easy)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    for flags in (("--model", "-M"), ("--batch_size", "-b"), ("--config", "-C"), ("--num_fewshot", "-f"),
+                  ("--include_path",)):
+        parser.add_argument(*flags)
+    parser.add_argument("--tasks", "-t", nargs="+")
+    known, _ = parser.parse_known_args(argv)
+    return known
+
+
 def _requested_tasks(argv: list[str]) -> list[str]:
-    names: list[str] = []
-    for i, arg in enumerate(argv):
-        if arg in ("--tasks", "-t"):
-            for value in argv[i + 1:]:
-                if value.startswith("-"):
-                    break
-                names += [t for t in value.split(",") if t]
-        elif arg.startswith("--tasks="):
-            names += [t for t in arg.split("=", 1)[1].split(",") if t]
-    return names
+    return [t for value in (_options(argv).tasks or []) for t in value.split(",") if t]
 
 
 def _needs_batch_size(argv: list[str]) -> bool:
-    """Whether this is sa-lm with no batch size given in any spelling lm-eval's parser takes (-b8, --batch 8,
-    --batch_size=8) nor a --config file, which may set one."""
-    import argparse
-
-    parser = argparse.ArgumentParser(add_help=False)  # abbreviations and attached values as lm-eval's parser
-    for flags in (("--model", "-M"), ("--batch_size", "-b"), ("--config", "-C")):
-        parser.add_argument(*flags)
-    known, _ = parser.parse_known_args(argv)
+    """Whether this is sa-lm with no batch size given in any spelling nor a --config file, which may set one."""
+    known = _options(argv)
     return known.model == "sa-lm" and known.batch_size is None and known.config is None
 
 
@@ -63,12 +62,12 @@ def main(argv: list[str] | None = None):
         from evaluation.local_tasks import KNOWN_TASKS, check_fewshot, write_local_tasks
         from evaluation.runner import default_task_dir
 
-        if "--include_path" in argv or any(a.startswith("--include_path=") for a in argv):
+        if _options(argv).include_path is not None:
             sys.exit("error: --data_dir writes its own --include_path; give one or the other")
         wanted = [t for t in _requested_tasks(argv) if t in KNOWN_TASKS] or list(KNOWN_TASKS)
         task_dir = default_task_dir(data_dir)
         local = write_local_tasks(data_dir, wanted, task_dir, cache_dir=task_dir / "hf_datasets")
-        shots = _pop_option(list(argv), "--num_fewshot") or _pop_option(list(argv), "-f")  # read, left in argv
+        shots = _options(argv).num_fewshot  # read, left in argv
         try:
             check_fewshot(local, _requested_tasks(argv), shots, "--num_fewshot")
         except ValueError as err:  # a model.config.ConfigError, or a --num_fewshot that is not a number

@@ -893,6 +893,19 @@ def test_lm_eval_cli_gives_sa_lm_its_own_batch_size(monkeypatch):
     assert _needs_batch_size(["-M", "sa-lm", "--tasks", "wikitext"])
 
 
+def test_lm_eval_cli_reads_tasks_and_shots_in_every_spelling_lm_evals_parser_takes():
+    """-t=piqa, --task piqa (an abbreviation) and -f5 reached lm-eval, but the wrapper did not see them: the task was
+    not written locally (it went to the hub) and the few-shot check was skipped."""
+    from evaluation.lm_eval_cli import _options, _requested_tasks
+
+    for given in (["-t=piqa,arc_easy"], ["--task", "piqa,arc_easy"], ["--tasks", "piqa", "arc_easy"],
+                  ["-t", "piqa,", "arc_easy", "--limit", "2"], ["--tasks=piqa,arc_easy"]):
+        assert _requested_tasks(["--model", "sa-lm", *given]) == ["piqa", "arc_easy"], given
+    for given in (["-f5"], ["-f", "5"], ["--num_fewshot=5"], ["--num_few", "5"]):
+        assert _options(given).num_fewshot == "5", given
+    assert _options(["--include_path=/x"]).include_path == "/x" and _options([]).include_path is None
+
+
 def test_lm_eval_cli_refuses_few_shot_examples_from_a_test_split(tiny_ckpt, evaldata, tmp_path, monkeypatch):
     monkeypatch.setenv("SA_CACHE_DIR", str(tmp_path / "cache"))
     proc = _run(["-m", "evaluation.lm_eval_cli", "--model", "sa-lm", "--model_args", f"checkpoint={tiny_ckpt}",
