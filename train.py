@@ -435,6 +435,18 @@ def _resume_checkpoint(cfg, ckpt_dir: Path):
     return None
 
 
+def _validation_missed(run_dir: Path, step: int | None, every: int) -> bool:
+    """Whether the validation due at a resumed checkpoint's step is missing from the run's log. Inside fit the
+    checkpoint of step N is written before step N's validation, and a resume from it goes on to step N + 1: a run
+    killed during that validation, or resumed in another folder, never logged it."""
+    if not step or step % every:
+        return False
+    from tools.runs import read_metrics
+
+    path = run_dir / "metrics.csv"
+    return not path.is_file() or step not in read_metrics(path).get("val/loss", {})
+
+
 def _checkpoint_meta(path: str | None) -> dict | None:
     """What train() reads of a checkpoint it resumes or starts from, before the weights load: its hyper-parameters,
     tokenizer and step (one read; mmap, so the weights stay on disk)."""
@@ -793,6 +805,11 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
             from tools.runs import read_metrics
 
             start_loss = read_metrics(run_dir / "metrics.csv").get("val/loss", {}).get(0)
+        if ckpt is not None and outside_fit and _validation_missed(run_dir, source["global_step"],
+                                                                   int(cfg.trainer.val_every_n_steps)):
+            module.validation_label = int(source["global_step"])
+            trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt, verbose=False)
+            module.validation_label = None
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
         if trainer.global_step % int(cfg.trainer.checkpoint_every_n_steps):
             # ModelCheckpoint writes last.ckpt at train end only when the fit saved nothing: after step 28000 of

@@ -172,6 +172,9 @@ class LitDecoder(L.LightningModule):
         self._val_totals = None
         self.resume_config_checked = False  # train.py compared the config with the checkpoint's already
         self.loss_chunk_tokens = 0  # trainer.loss_chunk_tokens: the loss over chunks of this many tokens (0: whole)
+        # the step a validation outside fit is logged at, when its weights come from a checkpoint (validate() does
+        # not restore the step count): train.py's validation of a resumed checkpoint's weights
+        self.validation_label: int | None = None
         # Which training attempt wrote a checkpoint: a restart from an earlier checkpoint that ends at the same step
         # as a scored last.ckpt holds other weights, and tools.runs must tell it from a copy of the same file.
         self._attempt: str | None = None  # drawn at fit start, the same on every rank
@@ -287,7 +290,8 @@ class LitDecoder(L.LightningModule):
         # were logged at step 2, while a validation at the start or after fit is labelled with the updates done. After
         # a resume both labels met: the post-fit validation of step 5 and the in-fit one after step 6 were both "5",
         # and one was lost from the curve. Every validation is labelled with the updates its weights have had.
-        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.global_step
+        label = self.global_step if self.validation_label is None else self.validation_label
+        self.trainer.fit_loop.epoch_loop._batches_that_stepped = label
 
     def _loss(self, batch):
         """(mean loss over the counted targets, their number, how many of them greedy decoding gets right or None).

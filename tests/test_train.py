@@ -92,6 +92,37 @@ def test_resumed_run_reproduces_uninterrupted_losses(tmp_path, corpus_file, data
             assert abs(logged["val/loss"][step] - full["val/loss"][step]) <= 1e-6, (stop, step)
 
 
+def test_a_resume_validates_the_checkpoints_step_when_its_validation_was_never_logged(tmp_path, corpus_file,
+                                                                                     data_cache):
+    """Inside fit step N's checkpoint is written before step N's validation, and a resume goes on to step N + 1: a
+    run killed during that validation (or resumed in a new folder) had no val/loss at N, a gap in every curve."""
+    common = TINY + ["attention=sa", "attention.window=8", "optim.schedule_steps=6", "trainer.val_every_n_steps=2",
+                     "trainer.checkpoint_every_n_steps=2"]
+    full = read_metrics_after(compose_train(common + ["trainer.max_steps=6"], tmp_path / "full", corpus_file,
+                                            data_cache))
+    run = tmp_path / "run"
+    train(compose_train(common + ["trainer.max_steps=4"], run, corpus_file, data_cache))
+    with open(run / "metrics.csv") as f:  # killed during step 4's validation: its row was never written
+        rows = list(csv.DictReader(f))
+    killed = [r for r in rows if not (r["step"] == "4" and r["val/loss"])]
+    assert len(killed) == len(rows) - 1
+    with open(run / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(killed)
+    train(compose_train(common + ["trainer.max_steps=6", "resume=auto"], run, corpus_file, data_cache))
+    logged = read_run_metrics(run / "metrics.csv")
+    assert sorted(logged["val/loss"]) == sorted(full["val/loss"]) == [0, 2, 4, 6]
+    for key in ("val/loss", "train/loss"):
+        for step, value in full[key].items():
+            assert logged[key][step] == pytest.approx(value, abs=1e-6), (key, step)
+    # logged already: not run again (one row per step)
+    train(compose_train(common + ["trainer.max_steps=8", "optim.schedule_steps=8", "resume=auto"], run, corpus_file,
+                        data_cache))
+    with open(run / "metrics.csv") as f:
+        assert [r["step"] for r in csv.DictReader(f) if r["val/loss"]].count("6") == 1
+
+
 def test_a_checkpoint_from_before_shuffled_sampling_resumes_its_random_stream(tmp_path, corpus_file, data_cache,
                                                                               capsys):
     """A checkpoint without data.sampling drew its windows with replacement: its resume goes on drawing them so (the
