@@ -67,7 +67,9 @@ def _builder(path: str) -> str:
 
 
 def resolve_files(paths) -> list[str]:
-    """Expand globs and folders into a sorted list of files; missing files are a config error."""
+    """Expand globs and folders into a sorted list of files, each once (a file that two paths name, e.g. a folder
+    and a glob in it, would be read twice, and its held-out documents would enter training through the second
+    copy); missing files are a config error."""
     if isinstance(paths, str):
         paths = [paths]
     files: list[str] = []
@@ -84,6 +86,8 @@ def resolve_files(paths) -> list[str]:
         if not matches:
             raise ConfigError("data.source.paths", pattern, "no such file; give existing files, folders or globs")
         files.extend(matches)
+    seen: set[str] = set()
+    files = [f for f in files if not (os.path.realpath(f) in seen or seen.add(os.path.realpath(f)))]
     if not files:
         raise ConfigError("data.source.paths", paths, "data.source.kind=files needs at least one path")
     for f in files:

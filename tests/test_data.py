@@ -283,6 +283,17 @@ def test_a_glob_takes_files_only(tmp_path):
     assert resolve_files([str(tmp_path / "*.txt")]) == [str(tmp_path / "a.txt")]
 
 
+def test_a_file_named_by_two_paths_is_read_once(tmp_path):
+    """paths=[corpus/, corpus/*.jsonl] read c.jsonl twice: each held-out document entered training as its copy."""
+    from data.sources import resolve_files
+
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
+    (tmp_path / "b.txt").write_text("another")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "c.jsonl")
+    got = resolve_files([str(tmp_path / "*.jsonl"), str(tmp_path), str(tmp_path / "c.jsonl")])
+    assert got == [str(tmp_path / "c.jsonl"), str(tmp_path / "b.txt")]  # the first naming; the link is the same file
+
+
 def test_a_hub_dataset_without_the_text_field_names_the_key(monkeypatch):
     import datasets
 
