@@ -75,6 +75,11 @@ def cache_key(cfg: dict, spelled_paths: bool = False) -> str:
     elif source["kind"] == "files":
         files = sources.resolve_files(source.pop("paths"))
         source["files"] = [(os.path.abspath(f), Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files]
+    elif source["kind"] == "hf" and os.path.isdir(os.path.expanduser(str(source["name"]))):
+        # a local dataset folder (or a saved script's): its files, as kind=files counts them, not only its name
+        folder = Path(os.path.expanduser(str(source["name"]))).resolve()
+        source["files"] = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(folder.rglob("*"))
+                           if f.is_file() and not any(p.startswith(".") for p in f.relative_to(folder).parts)]
     if source["kind"] == "embedded":  # the text is this Python's stdlib docstrings, which change between versions
         source["python"] = list(sys.version_info[:2])
     tok = dict(cfg["tokenizer"])

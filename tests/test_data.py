@@ -647,6 +647,26 @@ def test_cache_key_covers_the_python_version_and_the_hub_revision(monkeypatch, t
     assert cache_key({**cfg, "source": {**hub, "revision": "abc123"}}) != cache_key({**cfg, "source": hub})
 
 
+def test_cache_key_covers_the_files_of_a_local_hf_dataset_folder(tmp_path):
+    """data=hf with a local folder hashed only the folder's name: new documents in it reused the old shards."""
+    import os
+
+    from data.prepare import cache_key
+
+    folder = tmp_path / "my_dataset"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
+    cfg = {"source": {"kind": "hf", "name": str(folder), "config": None, "split": "train", "revision": None},
+           "tokenizer": {"path": None, "vocab_size": 300, "train_chars": 10**7}, "val_fraction": 0.05}
+    before = cache_key(cfg)
+    assert cache_key(cfg) == before
+    (folder / "train.jsonl").write_text(json.dumps({"text": "other documents, more of them"}) + "\n")
+    os.utime(folder / "train.jsonl", ns=(1, 1))
+    assert cache_key(cfg) != before
+    hub = {**cfg, "source": {**cfg["source"], "name": "cerebras/SlimPajama-627B"}}
+    assert cache_key(hub) == cache_key(hub)  # a hub name: no folder to read
+
+
 def test_the_tokenizer_is_trained_on_training_documents_only(tmp_path):
     """A word only the validation documents hold gets no token of its own: the tokenizer never saw it."""
     from data.prepare import _is_val
