@@ -732,7 +732,9 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     max_steps = int(cfg.trainer.max_steps)
     # an init_from run may continue its source's data stream (_init_weights decides, the checkpoints record it)
     started = module.hparams.get("init_from") if init else (source or {}).get("hyper_parameters", {}).get("init_from")
-    sample_offset = int((started or {}).get("samples_skipped") or 0)
+    sampling = str(module.hparams["data"].get("sampling", "shuffled"))
+    # independent draws have no place in a stream to continue from (a resume may switch to them on its command line)
+    sample_offset = int((started or {}).get("samples_skipped") or 0) if sampling == "shuffled" else 0
     datamodule = TokenDataModule(data.train_shards, data.val_shard, seq_len=int(cfg.data.seq_len),
                                  batch_size=int(cfg.data.batch_size), seed=int(cfg.seed),
                                  val_windows=int(cfg.data.val_windows),
@@ -740,8 +742,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
                                  num_workers=int(cfg.data.num_workers), total_micro_batches=max_steps * accumulate,
                                  window_start=str(cfg.data.get("window_start", "any")),
                                  eos_id=data.meta["tokenizer"]["eos_id"],
-                                 sampling=str(module.hparams["data"].get("sampling", "shuffled")),
-                                 sample_offset=sample_offset)
+                                 sampling=sampling, sample_offset=sample_offset)
 
     strategy = _fsdp_strategy(cfg, _precision(cfg, use_cuda)) if cfg.trainer.strategy == "fsdp" else \
         cfg.trainer.strategy

@@ -406,6 +406,11 @@ def test_init_from_starts_a_new_run_from_another_runs_weights(tmp_path, corpus_f
     # on the source's stream its data starts after the source's 4 steps of 4 windows, instead of replaying them
     assert saved["hyper_parameters"]["init_from"]["samples_skipped"] == 4 * 4
     assert "the data stream starts after the 16 windows the checkpoint trained on" in capsys.readouterr().err
+    # a resume may switch to independent draws, which have no place in a stream to continue from (it crashed in fit)
+    switch = ["trainer.max_steps=3", "resume=auto", "data.sampling=random", "optim.schedule_steps=2"]
+    train(compose_train(common + ["attention=sa", f"init_from={source}"] + switch, tmp_path / "same", corpus_file,
+                        data_cache), overrides=switch)  # as on the command line: a resume keeps its sampling else
+    assert sorted(read_run_metrics(tmp_path / "same" / "metrics.csv")["train/loss"]) == [0, 1, 2]
     train(compose_train(common + ["attention=sa", "trainer.max_steps=1", "seed=5", f"init_from={source}"],
                         tmp_path / "seed5", corpus_file, data_cache))
     assert "starts at its beginning (the checkpoint's seed 0 is not this run's)" in capsys.readouterr().err
