@@ -34,6 +34,24 @@ OmegaConf.register_new_resolver("with_validation", lambda tokens, val_fraction: 
     float(tokens) * (1 + 2 * float(val_fraction))), replace=True)
 
 
+# Integer settings outside model/attention (whose dataclasses check their own). Hydra reads 1e9 as 1000000000.0 and
+# ${oc.env:...} as a string: check_config writes each whole number as an int, so the checks, every later int() and
+# the data cache's key see one spelling.
+WHOLE_NUMBER_KEYS = ("seed", "data.seq_len", "data.batch_size", "data.val_windows", "data.val_batch_size",
+                     "data.num_workers", "data.max_tokens", "data.shard_tokens", "data.tokenizer.vocab_size",
+                     "data.tokenizer.train_chars", "trainer.max_steps", "trainer.val_every_n_steps",
+                     "trainer.checkpoint_every_n_steps", "trainer.accumulate_grad_batches",
+                     "trainer.log_every_n_steps", "trainer.loss_chunk_tokens", "trainer.keep_checkpoints",
+                     "trainer.num_nodes", "optim.warmup_steps", "optim.schedule_steps", "optim.tokens_per_step")
+
+
+def _as_whole_numbers(cfg: DictConfig) -> None:
+    for key in WHOLE_NUMBER_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and not isinstance(value, int) and _whole(value) is not None:
+            OmegaConf.update(cfg, key, _whole(value), merge=False)
+
+
 def check_config(cfg: DictConfig):
     """Validate everything cheap to check before any work; raises ConfigError naming the key."""
     from data.prepare import validate_data_config
@@ -43,13 +61,17 @@ def check_config(cfg: DictConfig):
     if missing:  # a preset's required value (???) left unset: name it, not the error reading '???' causes later
         raise ConfigError(missing[0], "???", f"a value the chosen preset requires; give it on the command line: "
                           f"{missing[0]}=<value>")
+    _as_whole_numbers(cfg)
     model_cfg = from_mapping(ModelConfig, cfg.model, "model")
     attn_cfg = from_mapping(AttentionConfig, cfg.attention, "attention")
-    if cfg.data.seq_len < 1:
-        raise ConfigError("data.seq_len", cfg.data.seq_len, "sequence length must be positive")
+    if isinstance(cfg.get("seed"), bool) or not isinstance(cfg.get("seed"), int) or not 0 <= cfg.seed < 2**32:
+        raise ConfigError("seed", cfg.get("seed"), "a whole number in [0, 2**32), e.g. seed=1")
+    if (_whole(cfg.data.seq_len) or 0) < 1:
+        raise ConfigError("data.seq_len", cfg.data.seq_len, "sequence length, a positive integer")
     if cfg.data.seq_len > model_cfg.max_seq_len:
         raise ConfigError("data.seq_len", cfg.data.seq_len, f"must be <= model.max_seq_len={model_cfg.max_seq_len}")
-    for key in ("max_steps", "val_every_n_steps", "checkpoint_every_n_steps", "accumulate_grad_batches"):
+    for key in ("max_steps", "val_every_n_steps", "checkpoint_every_n_steps", "accumulate_grad_batches",
+                "log_every_n_steps"):
         if (_whole(cfg.trainer[key]) or 0) < 1:  # 2.5 would be cut to 2 in silence
             raise ConfigError(f"trainer.{key}", cfg.trainer[key], "must be a positive integer")
     for key in ("batch_size", "val_windows"):
@@ -87,7 +109,27 @@ def check_config(cfg: DictConfig):
             if cfg.resume != "auto":  # a resume of the run it started needs it no more (train() looks it up then)
                 raise ConfigError("init_from", cfg.init_from, str(err)) from None
     validate_data_config(OmegaConf.to_container(cfg.data, resolve=True))
+    _check_vocabulary(cfg.data.tokenizer, model_cfg.vocab_size)
     return model_cfg, attn_cfg
+
+
+def _check_vocabulary(tokenizer: DictConfig, model_vocab: int) -> None:
+    """A tokenizer larger than the model's embedding, refused before the corpus is tokenized with it (train() checks
+    the prepared one again: a resume may take its checkpoint's tokenizer)."""
+    from model.config import ConfigError
+
+    if tokenizer.get("path"):
+        from tokenizers import Tokenizer
+
+        try:
+            size, what = Tokenizer.from_file(str(tokenizer.path)).get_vocab_size(), f"{tokenizer.path}'s vocabulary"
+        except Exception as err:  # noqa: BLE001 - the tokenizers library's own error says what is wrong in the file
+            raise ConfigError("data.tokenizer.path", tokenizer.path, f"not a tokenizer.json the tokenizers library "
+                              f"reads ({str(err).splitlines()[0][:200]})") from None
+    else:
+        size, what = int(tokenizer.vocab_size), "data.tokenizer.vocab_size"
+    if size > model_vocab:
+        raise ConfigError("model.vocab_size", model_vocab, f"smaller than {what} ({size}); raise it to >= {size}")
 
 
 # Lightning 2.x's precision values and aliases, plus our "auto" (bf16-mixed on CUDA, 32-true on CPU).
@@ -130,6 +172,7 @@ def _check_trainer_and_optim(cfg: DictConfig):
                           "GPUs, or auto")
     if devices == -1 and t.accelerator == "cpu":
         raise ConfigError("trainer.devices", devices, "-1 (every GPU) needs a GPU accelerator; give a count on CPU")
+
     if t.accelerator in ("gpu", "cuda") and not cfg.get("prepare_only"):  # data is prepared on CPU nodes too
         import torch
 
@@ -226,6 +269,9 @@ def _check_cpu_training(cfg: DictConfig):
     accelerator = cfg.trainer.accelerator
     if accelerator in ("gpu", "cuda", "mps") or (accelerator == "auto" and torch.cuda.is_available()):
         return
+    if isinstance(_devices(cfg), list):
+        raise ConfigError("trainer.devices", _devices(cfg), "a list of GPU ids, on a machine without one; give a "
+                          "count on the CPU, e.g. trainer.devices=1")
     if cfg.trainer.strategy == "fsdp":
         raise ConfigError("trainer.strategy", "fsdp", "FSDP needs CUDA GPUs (torch has no CPU FSDP); on the CPU use "
                           "trainer=ddp_cpu")

@@ -112,13 +112,18 @@ def validate_data_config(cfg: dict) -> None:
     if after is not None and (not isinstance(after, str) or not after):
         raise ConfigError("data.loss_only_after", after,
                           'give the text of one token, e.g. " ?" (quoted), or null to train on every token')
-    if not 0 < cfg["val_fraction"] < 1:
-        raise ConfigError("data.val_fraction", cfg["val_fraction"], "must lie strictly between 0 and 1")
-    for key in ("max_tokens", "shard_tokens"):
-        value = cfg.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    fraction = cfg["val_fraction"]
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise ConfigError("data.val_fraction", fraction, "a share of the documents, strictly between 0 and 1")
+    for key, nullable in (("max_tokens", True), ("shard_tokens", False)):
+        value = cfg.get(key, 100_000_000)
+        if (value is not None or not nullable) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"data.{key}", value, "a positive number of tokens" + (
-                " (or null: the whole source)" if key == "max_tokens" else ""))
+                " (or null: the whole source)" if nullable else ", e.g. 100000000"))
+    chars = cfg["tokenizer"].get("train_chars", 1)
+    if not cfg["tokenizer"].get("path") and (isinstance(chars, bool) or not isinstance(chars, int) or chars < 1):
+        raise ConfigError("data.tokenizer.train_chars", chars, "the characters the BPE is trained on, a positive "
+                          "integer, e.g. 10000000")
     vocab = cfg["tokenizer"].get("vocab_size")
     if not cfg["tokenizer"].get("path") and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 257):
         raise ConfigError("data.tokenizer.vocab_size", cfg["tokenizer"].get("vocab_size"),

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import ROOT, TINY, compose_train
 from model.config import AttentionConfig, ConfigError, ModelConfig, from_mapping
@@ -112,6 +113,20 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("attention.eval_seed=first", "attention.eval_seed"),
         ("attention.per_sequence_perm=1", "attention.per_sequence_perm"),
         ("eval.after_train=true eval.tasks=[wikitext,hellaswg]", "eval.tasks"),  # before training, not after
+        # each crashed inside preparation or training, or was cut in silence (32.5 -> 32)
+        ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps"),
+        ("trainer.log_every_n_steps=-1", "trainer.log_every_n_steps"),
+        ("trainer.log_every_n_steps=abc", "trainer.log_every_n_steps"),
+        ("data.shard_tokens=null", "data.shard_tokens"),
+        ("data.tokenizer.train_chars=null", "data.tokenizer.train_chars"),
+        ("data.tokenizer.train_chars=-5", "data.tokenizer.train_chars"),
+        ("data.seq_len=null", "data.seq_len"),
+        ("data.seq_len=32.5", "data.seq_len"),
+        ("data.val_fraction=abc", "data.val_fraction"),
+        ("seed=-1", "seed"),
+        ("seed=abc", "seed"),
+        ("data.tokenizer.vocab_size=600", "model.vocab_size"),  # tiny's 512: refused after tokenizing the corpus
+        *([("trainer.devices=[0]", "trainer.devices")] if not torch.cuda.is_available() else []),
         *([("attention.backend=flex", "attention.backend"), ("trainer.precision=16-mixed", "trainer.precision"),
            ("trainer=fsdp trainer.accelerator=cpu trainer.devices=2", "trainer.strategy")]
           if not torch.cuda.is_available() else []),  # no FlexAttention backward, no fp16 autocast on the CPU
@@ -179,11 +194,19 @@ def test_tokens_per_step_that_does_not_divide_is_refused_before_data_preparation
 
 
 @pytest.mark.parametrize("override", ["trainer.max_steps=1e3", "trainer.max_steps=${oc.env:SA_TEST_STEPS,100}",
-                                      "optim.warmup_steps=2.0", "trainer.precision=32"])
+                                      "optim.warmup_steps=2.0", "trainer.precision=32", "data.max_tokens=1e9",
+                                      "data.shard_tokens=1e8", "trainer.loss_chunk_tokens=8e3",
+                                      "trainer.keep_checkpoints=2.0", "optim.schedule_steps=1e2",
+                                      "data.seq_len=${oc.env:SA_TEST_SEQ,64}", "seed=1e3"])
 def test_whole_numbers_in_other_spellings_are_accepted(override, tmp_path, corpus_file):
-    """1e3 comes from Hydra as 1000.0, an ${oc.env:...} as a string: both were accepted before the checks got
-    strict, and are whole numbers."""
-    check_config(compose_train(TINY + override.split(), tmp_path, corpus_file))
+    """1e3 comes from Hydra as 1000.0, an ${oc.env:...} as a string: both are whole numbers, and each key reads
+    them as one from then on (the data cache's key too)."""
+    from train import WHOLE_NUMBER_KEYS
+
+    cfg = compose_train(TINY + override.split(), tmp_path, corpus_file)
+    check_config(cfg)
+    key = override.split("=")[0]
+    assert key == "trainer.precision" or (key in WHOLE_NUMBER_KEYS and type(OmegaConf.select(cfg, key)) is int)
 
 
 def test_warmup_as_long_as_the_schedule_is_warned_about(tmp_path, corpus_file, capsys):
