@@ -111,14 +111,16 @@ def _loads(files: list[str]):
 def file_documents(paths, text_field: str = "text", streaming: bool = True) -> Iterator[str]:
     """Local txt / jsonl / json / parquet files (gzip, zstd, bz2 or xz compressed too) through `datasets`' own
     loaders, in the order of resolve_files. Empty files hold no documents and are skipped; a file the loaders cannot
-    read is a DataSourceError that names it (theirs name no file)."""
+    read is a DataSourceError that names it (theirs name no file). A txt file's one column is its text whatever
+    text_field names (the field of the json / parquet files beside it)."""
     files = [f for f in resolve_files(paths) if os.path.getsize(f) > 0]
     for builder, group in _loads(files):
+        field = "text" if builder == "text" else text_field
         for row in _rows(builder, group, streaming):
-            if text_field not in row:
+            if field not in row:
                 raise ConfigError("data.source.text_field", text_field, f"not a field of {group[0]}: {sorted(row)}")
-            if row[text_field]:
-                yield row[text_field]
+            if row[field]:
+                yield row[field]
 
 
 def _rows(builder: str, group: list[str], streaming: bool) -> Iterator[dict]:

@@ -506,6 +506,10 @@ def test_json_files_with_different_fields_are_read_together_in_order(tmp_path):
     for streaming in (True, False):
         docs = list(file_documents([str(p) for p in files], streaming=streaming))
         assert docs == ["a text file"] + probe_texts + ["a book"]  # the order of the paths
+    # books whose text is in another field, next to txt files (whose one column is their text): refused before
+    (tmp_path / "other.jsonl").write_text(json.dumps({"content": "another book"}) + "\n")
+    mixed = [str(tmp_path / "a.txt"), str(tmp_path / "other.jsonl")]
+    assert list(file_documents(mixed, text_field="content")) == ["a text file", "another book"]
 
 
 def test_a_file_name_with_glob_characters_is_that_file(tmp_path):
