@@ -819,11 +819,12 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
 
     def record_run():
         run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        # atomically: a resume and tools.runs read config.yaml back
+        atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         if overrides is not None:
             atomic_write_text(run_dir / RUN_OVERRIDES, OmegaConf.to_yaml(OmegaConf.create(
                 [o for o in overrides if _override_key(o)[0] not in ("resume", "ckpt_path")])))
-        (run_dir / "git_revision.txt").write_text(_git_revision() + "\n")
+        atomic_write_text(run_dir / "git_revision.txt", _git_revision() + "\n")
 
     if resuming:  # recorded once the checkpoint has taken the config (a refused resume leaves the run's record)
         callbacks.append(LambdaCallback(on_train_start=lambda trainer, _: trainer.is_global_zero and record_run()))
