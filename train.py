@@ -36,10 +36,11 @@ OmegaConf.register_new_resolver("with_validation", lambda tokens, val_fraction: 
 
 # Integer settings outside model/attention (whose dataclasses check their own). Hydra reads 1e9 as 1000000000.0 and
 # ${oc.env:...} as a string: check_config writes each whole number as an int, so the checks, every later int() and
-# the data cache's key see one spelling.
+# the data cache's key see one spelling. (data.tokenizer.train_chars is left as written: 2e7 was always accepted, and
+# the caches prepared with it are found under its spelling.)
 WHOLE_NUMBER_KEYS = ("seed", "data.seq_len", "data.batch_size", "data.val_windows", "data.val_batch_size",
                      "data.num_workers", "data.max_tokens", "data.shard_tokens", "data.tokenizer.vocab_size",
-                     "data.tokenizer.train_chars", "trainer.max_steps", "trainer.val_every_n_steps",
+                     "trainer.max_steps", "trainer.val_every_n_steps",
                      "trainer.checkpoint_every_n_steps", "trainer.accumulate_grad_batches",
                      "trainer.log_every_n_steps", "trainer.loss_chunk_tokens", "trainer.keep_checkpoints",
                      "trainer.num_nodes", "optim.warmup_steps", "optim.schedule_steps", "optim.tokens_per_step")
@@ -269,7 +270,7 @@ def _check_cpu_training(cfg: DictConfig):
     accelerator = cfg.trainer.accelerator
     if accelerator in ("gpu", "cuda", "mps") or (accelerator == "auto" and torch.cuda.is_available()):
         return
-    if isinstance(_devices(cfg), list):
+    if isinstance(_devices(cfg), list) and not torch.backends.mps.is_available():
         raise ConfigError("trainer.devices", _devices(cfg), "a list of GPU ids, on a machine without one; give a "
                           "count on the CPU, e.g. trainer.devices=1")
     if cfg.trainer.strategy == "fsdp":
@@ -481,12 +482,16 @@ def _resume_checkpoint(cfg, ckpt_dir: Path):
     return None
 
 
-def _validation_missed(run_dir: Path, step: int | None, every: int) -> bool:
+def _validation_missed(run_dir: Path, step: int | None, every: int, own_run: bool) -> bool:
     """Whether the validation due at a resumed checkpoint's step is missing from the run's log. Inside fit the
     checkpoint of step N is written before step N's validation, and a resume from it goes on to step N + 1: a run
-    killed during that validation, or resumed in another folder, never logged it."""
+    killed during that validation, or started from another folder's checkpoint, never logged it. Only a run's own
+    log is read (rank 0 moves another run's aside, and a rank that read it first would skip a validation the others
+    run)."""
     if not step or step % every:
         return False
+    if not own_run:
+        return True
     from tools.runs import read_metrics
 
     path = run_dir / "metrics.csv"
@@ -854,7 +859,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
 
             start_loss = read_metrics(run_dir / "metrics.csv").get("val/loss", {}).get(0)
         if ckpt is not None and outside_fit and _validation_missed(run_dir, source["global_step"],
-                                                                   int(cfg.trainer.val_every_n_steps)):
+                                                                   int(cfg.trainer.val_every_n_steps), resuming):
             module.validation_label = int(source["global_step"])
             trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt, verbose=False)
             module.validation_label = None

@@ -64,10 +64,11 @@ def _plain(obj):
     return obj
 
 
-def cache_key(cfg: dict, spelled_paths: bool = False) -> str:
+def cache_key(cfg: dict, spelled_paths: bool = False, folder_files: bool = True) -> str:
     """The hash of what the prepared data depends on. Local files count by identity (absolute path, size, mtime, in
-    order), however their paths were written; `spelled_paths`: the key of caches made before 2026-12-02, which
-    hashed the paths as written and the files as resolved from them."""
+    order), however their paths were written, a local data=hf folder's too; `spelled_paths`: the key of caches made
+    before 2026-12-02, which hashed the paths as written and the files as resolved from them; not `folder_files`:
+    the key of data=hf caches made before 2026-12-04, which hashed a local folder's name only."""
     source = dict(cfg["source"])
     if source["kind"] == "files" and spelled_paths:
         source["files"] = [(f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns)
@@ -75,11 +76,10 @@ def cache_key(cfg: dict, spelled_paths: bool = False) -> str:
     elif source["kind"] == "files":
         files = sources.resolve_files(source.pop("paths"))
         source["files"] = [(os.path.abspath(f), Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files]
-    elif source["kind"] == "hf" and os.path.isdir(os.path.expanduser(str(source["name"]))):
+    elif source["kind"] == "hf" and folder_files and _local_folder(source):
         # a local dataset folder (or a saved script's): its files, as kind=files counts them, not only its name
-        folder = Path(os.path.expanduser(str(source["name"]))).resolve()
-        source["files"] = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(folder.rglob("*"))
-                           if f.is_file() and not any(p.startswith(".") for p in f.relative_to(folder).parts)]
+        source["files"] = [(str(f), f.stat().st_size, f.stat().st_mtime_ns)
+                           for f in _folder_files(_local_folder(source).resolve())]
     if source["kind"] == "embedded":  # the text is this Python's stdlib docstrings, which change between versions
         source["python"] = list(sys.version_info[:2])
     tok = dict(cfg["tokenizer"])
@@ -120,8 +120,9 @@ def validate_data_config(cfg: dict) -> None:
         if (value is not None or not nullable) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"data.{key}", value, "a positive number of tokens" + (
                 " (or null: the whole source)" if nullable else ", e.g. 100000000"))
-    chars = cfg["tokenizer"].get("train_chars", 1)
-    if not cfg["tokenizer"].get("path") and (isinstance(chars, bool) or not isinstance(chars, int) or chars < 1):
+    chars = cfg["tokenizer"].get("train_chars", 1)  # compared with a count only: 2e7 (a float) is a number of them
+    if not cfg["tokenizer"].get("path") and (isinstance(chars, bool) or not isinstance(chars, (int, float))
+                                             or not chars >= 1):
         raise ConfigError("data.tokenizer.train_chars", chars, "the characters the BPE is trained on, a positive "
                           "integer, e.g. 10000000")
     vocab = cfg["tokenizer"].get("vocab_size")
@@ -191,16 +192,38 @@ def _cached(cfg: dict, root: Path) -> PreparedData:
     return data
 
 
+def _local_folder(source: dict) -> Path | None:
+    folder = Path(os.path.expanduser(str(source["name"])))
+    return folder if folder.is_dir() else None
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    return [f for f in sorted(folder.rglob("*"))
+            if f.is_file() and not any(p.startswith(".") for p in f.relative_to(folder).parts)]
+
+
 def prepared_root(cfg, cache_dir: str | Path) -> Path:
     """Where prepare() keeps (or would build) the shards of `cfg`: an existing folder under the key of before
-    2026-12-02 (finished, or an interrupted preparation to resume) is found too, so no corpus is tokenized again."""
+    2026-12-02 (finished, or an interrupted preparation to resume) is found too, so no corpus is tokenized again;
+    so is a local data=hf folder's under the key of before 2026-12-04 (its name only) where every file of it was
+    written after the folder's last change."""
     cfg = _plain(cfg)
     root = Path(cache_dir) / f"{cfg['source']['kind']}-{cache_key(cfg)}"
     if cfg["source"]["kind"] == "files" and not _started(root):
         legacy = Path(cache_dir) / f"files-{cache_key(cfg, spelled_paths=True)}"
         if _started(legacy):
             return legacy
+    if cfg["source"]["kind"] == "hf" and not _started(root) and (folder := _local_folder(cfg["source"])):
+        legacy = Path(cache_dir) / f"hf-{cache_key(cfg, folder_files=False)}"
+        if _started(legacy) and _written_after(legacy, folder):
+            return legacy
     return root
+
+
+def _written_after(cache: Path, folder: Path) -> bool:
+    """Whether every file of `cache` is newer than every file of `folder`: prepared from it as it is now."""
+    changed = max((f.stat().st_mtime_ns for f in _folder_files(folder)), default=0)
+    return all(f.stat().st_mtime_ns > changed for f in cache.rglob("*") if f.is_file())
 
 
 def _started(root: Path) -> bool:

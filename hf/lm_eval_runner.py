@@ -181,6 +181,18 @@ def primary_scores(results: dict) -> dict[str, float]:
 SWEEP_SETTINGS = ("limit", "seed", "dtype", "backend", "moba_top_k", "data_dir", "max_length", "num_fewshot")
 
 
+def _same_settings(results: dict, settings: dict, tasks: list[str]) -> bool:
+    """Whether a finished configuration's JSON was run with these settings. One written before they were recorded
+    (2026-12-04) is judged by what lm-eval recorded itself: its limit and the tasks it scored."""
+    if "sweep_settings" in results:
+        return results["sweep_settings"] == settings
+    scored = set(results.get("results") or {}) | set(results.get("groups") or {})
+    same = (results.get("config") or {}).get("limit") == settings["limit"] and set(tasks) <= scored
+    if same:
+        log.info("reusing a result written before the sweep recorded its settings (same tasks and limit)")
+    return same
+
+
 def sweep(model_name_or_path, kinds, windows, tasks, out_dir, **kwargs) -> list[dict]:
     """Load once; evaluate every (kind, window) (full once); one JSON per configuration + summary.md in out_dir."""
     from data.shards import atomic_write_text
@@ -201,7 +213,7 @@ def sweep(model_name_or_path, kinds, windows, tasks, out_dir, **kwargs) -> list[
         name = kind if window is None else f"{kind}_w{window}"
         path = out / f"{name}.json"
         results = json.loads(path.read_text()) if path.exists() else None  # resumable: finished ones are kept
-        if results is not None and results.get("sweep_settings") != settings:
+        if results is not None and not _same_settings(results, settings, shown):
             log.info("%s: %s was run with other settings (%s); running it again", name, path,
                      results.get("sweep_settings"))
             results = None

@@ -94,12 +94,13 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
                        ckpt.get("global_step"), mtime_ns, ckpt.get("attempt"))
 
 
-def checkpoint_attempt(path: Path) -> str | None:
-    """The training attempt that wrote a checkpoint (None where unreadable or not recorded)."""
+def checkpoint_identity(path: Path) -> tuple[str | None, int | None]:
+    """(the training attempt that wrote a checkpoint, its step); (None, None) where unreadable."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("attempt")
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - unreadable: the caller falls back to what else it knows
-        return None
+        return None, None
+    return ckpt.get("attempt"), ckpt.get("global_step")
 
 
 def check_same_shape(saved_model: dict, cfg: ModelConfig, source: str) -> None:

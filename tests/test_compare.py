@@ -312,6 +312,8 @@ def test_evals_of_an_abandoned_attempt_at_the_same_step_are_not_the_runs(tmp_pat
         {"checkpoint": str(last), "checkpoint_mtime_ns": last.stat().st_mtime_ns - 1, "checkpoint_step": 30,
          "checkpoint_attempt": "first", "results": [{"task": "probe_needle", "metric": "acc", "value": 0.5}]}))
     assert read_evals(run, steps=30) == {"probe_needle/acc": 0.5}  # a copy: same attempt, another mtime
+    torch.save({"global_step": 20, "attempt": "first"}, last)  # re-saved from the attempt's own step 20, untrained
+    assert read_evals(run, steps=20) == {}
     torch.save({"global_step": 30, "attempt": "restart"}, last)
     assert read_evals(run, steps=30) == {}
     assert "scored an earlier last.ckpt (step 30)" in capsys.readouterr().err

@@ -669,6 +669,15 @@ def test_cache_key_covers_the_files_of_a_local_hf_dataset_folder(tmp_path):
     assert cache_key(cfg) != before
     hub = {**cfg, "source": {**cfg["source"], "name": "cerebras/SlimPajama-627B"}}
     assert cache_key(hub) == cache_key(hub)  # a hub name: no folder to read
+    # a cache made under the key of before (the folder's name only) is found where it is newer than every file
+    from data.prepare import prepared_root
+
+    legacy = tmp_path / "cache" / f"hf-{cache_key(cfg, folder_files=False)}"
+    legacy.mkdir(parents=True)
+    (legacy / "meta.json").write_text("{}")
+    assert prepared_root(cfg, tmp_path / "cache") == legacy
+    os.utime(legacy / "meta.json", ns=(0, 0))  # older than the folder's file: prepared from other documents
+    assert prepared_root(cfg, tmp_path / "cache") == tmp_path / "cache" / f"hf-{cache_key(cfg)}"
 
 
 def test_the_tokenizer_is_trained_on_training_documents_only(tmp_path):

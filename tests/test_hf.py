@@ -406,6 +406,14 @@ def test_a_resumed_sweep_reruns_a_configuration_whose_settings_changed(saved_mod
     sweep(str(folder), ["sa"], [4], [_task(data)], tmp_path, limit=None, **common)
     results = json.loads(saved.read_text())
     assert results["sweep_settings"]["limit"] is None and results["n-samples"]["tiny_mc"]["effective"] == 8
+    # written before the settings were recorded: judged by lm-eval's own record (its limit, the tasks it scored)
+    results.pop("sweep_settings")
+    saved.write_text(json.dumps(results))
+    stamp = saved.stat().st_mtime_ns
+    sweep(str(folder), ["sa"], [4], [_task(data)], tmp_path, limit=None, **common)
+    assert saved.stat().st_mtime_ns == stamp
+    sweep(str(folder), ["sa"], [4], [_task(data)], tmp_path, limit=4, **common)
+    assert json.loads(saved.read_text())["sweep_settings"]["limit"] == 4
 
 
 def test_hf_package_does_not_import_transformers():

@@ -73,19 +73,19 @@ def _attention_label(data: dict, trained: dict | None) -> str:
 
 def _stale(data: dict, final: Path | None, steps: int | None) -> bool:
     """Whether results.json scored an earlier file of the final checkpoint's name. The same mtime: the same file.
-    Another mtime is a copied run folder or a rewrite: the training attempt recorded in both tells them apart (a
-    restart from an earlier checkpoint that ended at the scored step holds other weights); files written before
+    Another mtime is a copied run folder or a rewrite: the training attempt and step recorded in both tell them apart
+    (a restart from an earlier checkpoint that ended at the scored step holds other weights); files written before
     2026-12-04 carry no attempt, and are stale when the run trained past the step that was scored. Files written
     before 2026-12-02 carry neither and are taken as they are."""
     mtime, step = data.get("checkpoint_mtime_ns"), data.get("checkpoint_step")
     if final is None or mtime is None or step is None or final.stat().st_mtime_ns == mtime:
         return False
     if data.get("checkpoint_attempt"):
-        from model.checkpoint import checkpoint_attempt
+        from model.checkpoint import checkpoint_identity
 
-        now = checkpoint_attempt(final)
-        if now is not None:
-            return now != data["checkpoint_attempt"]
+        attempt, saved_step = checkpoint_identity(final)
+        if attempt is not None:  # a restart from the same attempt's earlier checkpoint keeps its id, not its step
+            return attempt != data["checkpoint_attempt"] or saved_step != step
     return steps is not None and step < steps
 
 
