@@ -25,6 +25,11 @@ def load(path: Path) -> list[dict]:
 
 
 def main():
+    if len(sys.argv) == 2 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
     path = Path(sys.argv[1])
     rows = load(path)
     tag = path.stem.removeprefix("attention_")
