@@ -65,7 +65,7 @@ def check_config(cfg: DictConfig):
     _as_whole_numbers(cfg)
     model_cfg = from_mapping(ModelConfig, cfg.model, "model")
     attn_cfg = from_mapping(AttentionConfig, cfg.attention, "attention")
-    if isinstance(cfg.get("seed"), bool) or not isinstance(cfg.get("seed"), int) or not 0 <= cfg.seed < 2**32:
+    if _whole(cfg.get("seed")) is None or not 0 <= cfg.seed < 2**32:
         raise ConfigError("seed", cfg.get("seed"), "a whole number in [0, 2**32), e.g. seed=1")
     if (_whole(cfg.data.seq_len) or 0) < 1:
         raise ConfigError("data.seq_len", cfg.data.seq_len, "sequence length, a positive integer")

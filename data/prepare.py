@@ -76,10 +76,9 @@ def cache_key(cfg: dict, spelled_paths: bool = False, folder_files: bool = True)
     elif source["kind"] == "files":
         files = sources.resolve_files(source.pop("paths"))
         source["files"] = [(os.path.abspath(f), Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files]
-    elif source["kind"] == "hf" and folder_files and _local_folder(source):
+    elif source["kind"] == "hf" and folder_files and (folder := _local_folder(source)):
         # a local dataset folder (or a saved script's): its files, as kind=files counts them, not only its name
-        source["files"] = [(str(f), f.stat().st_size, f.stat().st_mtime_ns)
-                           for f in _folder_files(_local_folder(source).resolve())]
+        source["files"] = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in _folder_files(folder.resolve())]
     if source["kind"] == "embedded":  # the text is this Python's stdlib docstrings, which change between versions
         source["python"] = list(sys.version_info[:2])
     tok = dict(cfg["tokenizer"])

@@ -44,8 +44,8 @@ def task_names(tasks, key: str = "eval.tasks") -> list[str]:
 
     names = [str(t).strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks or [])]
     if not names or not all(names):
-        raise ConfigError(key, tasks, "give task names, e.g. eval.tasks=[wikitext,lambada_openai] or "
-                          "eval.tasks=wikitext" if key == "eval.tasks" else f"give task names, e.g. {key} wikitext,piqa")
+        example = "eval.tasks=[wikitext,lambada_openai]" if key == "eval.tasks" else f"{key} wikitext,lambada_openai"
+        raise ConfigError(key, tasks, f"give task names, e.g. {example}")
     return names
 
 
