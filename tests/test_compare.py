@@ -321,6 +321,42 @@ def test_evals_of_an_abandoned_attempt_at_the_same_step_are_not_the_runs(tmp_pat
     assert read_evals(run, steps=30) == {"probe_needle/acc": 0.5}
 
 
+def test_evals_of_the_last_steps_own_checkpoint_are_the_runs(tmp_path):
+    """train.py leaves step<N>.ckpt beside last.ckpt at the last step: a score of that file (or of its kept weights)
+    was dropped as an intermediate checkpoint's, without a word. An earlier step's, or another attempt's, is not the
+    run's."""
+    import torch
+
+    from tools.runs import read_evals
+
+    run = _fake_run(tmp_path, "r", window=8, rows=[(0, 29, 2.0, 960, "")], ckpts=("step0000020", "step0000030"))
+    last = run / "checkpoints" / "last.ckpt"
+    torch.save({"global_step": 30, "attempt": "a"}, last)
+    for folder, scored, step, attempt, value in (("final", "checkpoints/step0000030.ckpt", 30, "a", 0.5),
+                                                 ("weights", "weights/step0000030.pt", 30, "a", 0.5),
+                                                 ("earlier", "checkpoints/step0000020.ckpt", 20, "a", 0.1),
+                                                 ("other", "checkpoints/step0000030.ckpt", 30, "b", 0.3)):
+        (run / "eval" / folder).mkdir(parents=True)
+        (run / "eval" / folder / "results.json").write_text(json.dumps(
+            {"checkpoint": str(run / scored), "checkpoint_mtime_ns": 1, "checkpoint_step": step,
+             "checkpoint_attempt": attempt, "results": [{"task": "probe_needle", "metric": "acc", "value": value}]}))
+    assert read_evals(run, steps=30) == {"probe_needle/acc": 0.5}
+
+
+def test_a_half_written_last_row_of_metrics_is_not_read(tmp_path):
+    """A run killed mid-write (or read while writing) ends metrics.csv in part of a row: a cut step went backwards
+    and dropped the run's history as an abandoned attempt's, a cut value crashed."""
+    from tools.runs import read_metrics
+
+    run = _fake_run(tmp_path, "r", rows=[(0, 9, 2.0, 320, ""), (0, 19, 1.5, 640, ""), (0, 19, "", "", 1.7)])
+    whole, text = read_metrics(run / "metrics.csv"), (run / "metrics.csv").read_text()
+    for tail in ("0,1", "0,29,1.2,9", "0,29,1e-"):
+        (run / "metrics.csv").write_text(text + tail)
+        assert read_metrics(run / "metrics.csv") == whole
+    (run / "metrics.csv").write_text("epoch,st")  # not even a whole header yet
+    assert read_metrics(run / "metrics.csv") == {}
+
+
 def test_evals_at_another_eval_seed_are_keyed_apart(tmp_path):
     """Another draw of SA's permutations (attention.eval_seed=5) shared seed 0's column, and the newer file won."""
     from tools.runs import read_evals
@@ -404,8 +440,8 @@ def test_steps_tokens_and_curves_of_runs_that_stop_between_log_rows(tmp_path):
 def test_summary_survives_a_diverged_seed(tmp_path):
     from tools.compare import compare
 
-    _fake_run(tmp_path, "a", seed=0, rows=[(0, 9, 2.0, 320, ""), (0, 9, "", "", 2.1)])
-    _fake_run(tmp_path, "b", seed=1, rows=[(0, 9, 2.0, 320, ""), (0, 9, "", "", "nan")])
+    _fake_run(tmp_path, "a", seed=0, max_steps=10, rows=[(0, 9, 2.0, 320, ""), (0, 9, "", "", 2.1)])
+    _fake_run(tmp_path, "b", seed=1, max_steps=10, rows=[(0, 9, 2.0, 320, ""), (0, 9, "", "", "nan")])
     text = compare([str(tmp_path)], tmp_path / "out", plots=False)["markdown"]
     assert "| sa w=8 | 2 | nan ± nan |" in text
 
@@ -421,6 +457,18 @@ def test_a_run_that_stopped_early_is_marked(tmp_path, capsys):
     assert "killed stopped at step 10 of 30" in capsys.readouterr().err
 
 
+def test_a_run_that_stopped_early_is_not_averaged_with_finished_seeds(tmp_path):
+    """A seed killed at step 10 of 30 entered its configuration's mean with step-10 losses."""
+    from tools.compare import compare
+
+    for name, seed, loss in (("a", 0, 2.0), ("b", 1, 2.2)):
+        _fake_run(tmp_path, name, seed=seed, max_steps=30, rows=[(0, 29, loss, 960, ""), (0, 30, "", "", loss)])
+    _fake_run(tmp_path, "c", seed=2, max_steps=30, rows=[(0, 9, 3.9, 320, ""), (0, 10, "", "", 3.9)])
+    text = compare([str(tmp_path)], tmp_path / "out", plots=False)["markdown"]
+    assert "| sa w=8 | 2 | 2.1000 ± 0.1414 |" in text and "| sa w=8 [stopped early] | 1 | 3.9000 |" in text
+    assert "Note: c stopped at step 10 of 30" in (tmp_path / "out" / "compare.md").read_text()
+
+
 def test_where_a_run_was_launched_does_not_split_its_seeds():
     """config.yaml holds data.cache_dir resolved ($PWD/.cache): seeds launched from two folders were two configs."""
     from tools.runs import flat_config
@@ -432,3 +480,9 @@ def test_where_a_run_was_launched_does_not_split_its_seeds():
     c = flat_config({"seed": 2, "data": {"seq_len": 64, "val_batch_size": 4}, "optim": {"lr": 1e-3},
                      "trainer": {"activation_checkpointing": True, "loss_chunk_tokens": 4096}})
     assert c == a
+    # data=probes trains on a file under paths.cache_dir, which config.yaml holds resolved too
+    probes = [flat_config({"seed": i, "paths": {"cache_dir": f"/{d}/.cache"},
+                           "data": {"source": {"paths": [f"/{d}/.cache/probes/kv-s0.jsonl", "/books/a.txt"]}}})
+              for i, d in enumerate(("x", "y"))]
+    assert probes[0] == probes[1] == {
+        "data.source.paths": json.dumps(["${paths.cache_dir}/probes/kv-s0.jsonl", "/books/a.txt"])}

@@ -5,10 +5,10 @@
 
 Prints a markdown table (one row per run: variant, window, seed, steps, tokens, final train loss, final val loss,
 val perplexity, tokens/s, parameters, eval metrics of the final checkpoint under <run>/eval/**/results.json) and a
-summary per configuration (variant, window and any other config key its runs differ in; mean ± std over seeds), and
-writes compare.md and val_loss_vs_tokens.png (validation and training loss against training tokens, one colour per
-configuration, thin lines per run, mean and min-max band across seeds) to --out (default: <the single directory
-given>/compare, a sweep's or a run's, else ./compare).
+summary per configuration (variant, window and any other config key its runs differ in; mean ± std over seeds; runs
+that stopped early apart), and writes compare.md and val_loss_vs_tokens.png (validation and training loss against
+training tokens, one colour per configuration, thin lines per run, mean and min-max band across seeds) to --out
+(default: <the single directory given>/compare, a sweep's or a run's, else ./compare).
 """
 
 from __future__ import annotations
@@ -93,9 +93,11 @@ def markdown_table(rows: list[dict], eval_keys: list[str]) -> str:
 
 
 def summary_table(rows: list[dict], eval_keys: list[str]) -> str:
+    """Mean ± std per configuration. Runs that stopped early get a row of their own: their last values come from
+    fewer steps (or from before a divergence) than their finished seeds'."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
-        groups.setdefault(r["group"], []).append(r)
+        groups.setdefault(r["group"] + (" [stopped early]" if _stopped_early(r) else ""), []).append(r)
 
     def stat(values, fmt="{:.4f}"):
         """Mean ± sample std; a non-finite value (a diverged seed) makes the cell nan; (n=k) where only k of the
@@ -201,12 +203,14 @@ def compare(paths, out: Path | None = None, plots: bool = True) -> dict:
             r.label = f"{r.config.get('task_name')}: "
     label_differences(runs)
     rows, eval_keys = run_rows(runs)
-    for r in filter(_stopped_early, rows):
-        print(f"warning: {r['run']} stopped at step {r['steps']} of {r['planned_steps']} (killed, or still running): "
-              "its final values are not the configured run's", file=sys.stderr)
+    early = [f"{r['run']} stopped at step {r['steps']} of {r['planned_steps']} (killed, diverged or still running): "
+             "its final values are not the configured run's" for r in filter(_stopped_early, rows)]
+    for line in early:
+        print(f"warning: {line}", file=sys.stderr)
     text = ("## Runs\n\n" + markdown_table(rows, eval_keys) + "\n\n## Per configuration (mean ± std over seeds)\n\n"
             + summary_table(rows, eval_keys) + "\n\nFinal values = last logged; tokens/s = median over the run; "
-            "params rebuilt from config.yaml on the meta device.\n")
+            "params rebuilt from config.yaml on the meta device.\n" + "".join(f"\nNote: {line}." for line in early)
+            + ("\n" if early else ""))
     if out is None:  # beside the one folder given (a sweep, or a run: <run>/compare), else ./compare
         out = Path(paths[0]) / "compare" if len(paths) == 1 else Path("compare")
     out.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ Eval results are the results.json files under <run>/eval/ (evaluation.runner and
 from __future__ import annotations
 
 import csv
+import io
 import json
 import sys
 from dataclasses import dataclass, field
@@ -19,17 +20,18 @@ def read_metrics(path: Path) -> dict[str, dict[int, float]]:
     earlier step (the file's steps go backwards) drops what the abandoned attempt logged from that step on."""
     out: dict[str, dict[int, float]] = {}
     highest = -1
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            step = int(row["step"])
-            if step < highest:  # resumed from an earlier checkpoint: the rows after it belong to an abandoned attempt
-                for values in out.values():
-                    for s in [s for s in values if s > step]:
-                        del values[s]
-            highest = step
-            for key, value in row.items():
-                if key not in ("step", "epoch") and value not in ("", None):
-                    out.setdefault(key, {})[step] = float(value)
+    text = Path(path).read_text()
+    text = text[: text.rfind("\n") + 1]  # a last row without its newline is half-written (killed, or still writing)
+    for row in csv.DictReader(io.StringIO(text)):
+        step = int(row["step"])
+        if step < highest:  # resumed from an earlier checkpoint: the rows after it belong to an abandoned attempt
+            for values in out.values():
+                for s in [s for s in values if s > step]:
+                    del values[s]
+        highest = step
+        for key, value in row.items():
+            if key not in ("step", "epoch") and value not in ("", None):
+                out.setdefault(key, {})[step] = float(value)
     return out
 
 
@@ -89,6 +91,20 @@ def _stale(data: dict, final: Path | None, steps: int | None) -> bool:
     return steps is not None and step < steps
 
 
+def _final_step_file(data: dict, final: Path | None, steps: int | None) -> bool:
+    """Whether results.json scored a step<N> file (.ckpt, or weights/*.pt) of the run's last step: the state
+    last.ckpt holds, saved beside it by the same attempt."""
+    step = data.get("checkpoint_step")
+    if step is None or final is None:
+        return False
+    from model.checkpoint import checkpoint_identity
+
+    attempt, final_step = checkpoint_identity(final)
+    if final_step is None:  # unreadable: the run's own log says where it ended
+        return step == steps
+    return step == final_step and data.get("checkpoint_attempt") in (None, attempt)
+
+
 def read_evals(run_dir: Path, trained_attention: dict | None = None, steps: int | None = None) -> dict[str, float]:
     """{"task/metric": value} from the eval/**/results.json files that scored the run's final checkpoint (those of
     an intermediate checkpoint, e.g. eval/probes_step280, and of an earlier last.ckpt are left out), the newest file
@@ -106,7 +122,7 @@ def read_evals(run_dir: Path, trained_attention: dict | None = None, steps: int 
             print(f"warning: skipping unreadable {path}: {err}", file=sys.stderr)
             continue
         scored = data.get("checkpoint")
-        if scored and Path(scored).name not in (final_name, "last.ckpt"):
+        if scored and Path(scored).name not in (final_name, "last.ckpt") and not _final_step_file(data, final, steps):
             continue  # an intermediate checkpoint's evaluation
         if _stale(data, final, steps):
             print(f"warning: {run_dir.name}: {path} scored an earlier {final.name} (step {data.get('checkpoint_step')})"
@@ -138,17 +154,24 @@ RUN_LOCAL_KEYS = ("seed", "run_name", "ckpt_path", "resume", "task_name", "paths
                   "data.cache_dir")  # config.yaml holds it resolved: the folder a run was launched from
 
 
-def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
-    """{"a.b": value as text} for every leaf of the config, run-local keys left out."""
+def flat_config(config: dict, prefix: str = "", cache_dir: str | None = None) -> dict[str, str]:
+    """{"a.b": value as text} for every leaf of the config, run-local keys left out. Data files under the run's
+    paths.cache_dir (data=probes writes its documents there) are named relative to it: the folder a run was launched
+    from, or $SA_CACHE_DIR, is not what it trained on."""
+    if cache_dir is None and not prefix:
+        cache_dir = str((config.get("paths") or {}).get("cache_dir") or "") or None
     out: dict[str, str] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
         if any(name == k or name.startswith(k + ".") for k in RUN_LOCAL_KEYS):
             continue
         if isinstance(value, dict):
-            out.update(flat_config(value, name + "."))
-        else:
-            out[name] = json.dumps(value, sort_keys=True, default=str)
+            out.update(flat_config(value, name + ".", cache_dir))
+            continue
+        if name == "data.source.paths" and cache_dir and isinstance(value, list):
+            value = [f"${{paths.cache_dir}}{v[len(cache_dir):]}" if isinstance(v, str) and v.startswith(cache_dir + "/")
+                     else v for v in value]
+        out[name] = json.dumps(value, sort_keys=True, default=str)
     return out
 
 
