@@ -1,7 +1,9 @@
 """Dense masked reference for banded attention over a stored order (tests and benchmarks' oracle only).
 
 O(n^2) time and memory on purpose: it is the literal transcription of the mask in docs/method.md, so every fast
-backend is checked against it.
+backend is checked against it. It works in original order and shares no index code with the backends (neither
+kernels.order's gathers nor band_mask below, the storage-order mask of the torch backend's dense path): a bug there
+cannot hide in the reference too.
 """
 
 from __future__ import annotations
@@ -9,8 +11,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-from kernels.order import gather_rows, scatter_rows, storage_positions
 
 
 def band_mask(pos: torch.Tensor, left: int, right: int) -> torch.Tensor:
@@ -24,20 +24,22 @@ def band_mask(pos: torch.Tensor, left: int, right: int) -> torch.Tensor:
 
 
 def naive_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None):
-    """q [B,Hq,n,D], k/v [B,Hkv,n,D] in original order; perm None, [n] or [B,n]. Output in original order."""
+    """q [B,Hq,n,D], k/v [B,Hkv,n,D] in original order; perm None, [n] or [B,n]. Output in original order.
+
+    The token at original position a is stored in slot s[a] (s = pi^-1: the argsort of a permutation is its
+    inverse). Query a sees key b iff s[b] - s[a] lies in [-left, right] (the band in storage order) and b <= a (the
+    original order)."""
     B, Hq, n, D = q.shape
     Hkv = k.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     if Hq != Hkv:
         k = k.repeat_interleave(Hq // Hkv, dim=1)
         v = v.repeat_interleave(Hq // Hkv, dim=1)
-    if perm is not None:
-        q, k, v = (gather_rows(t, perm) for t in (q, k, v))
-    pos = storage_positions(perm, n, q.device)
-    mask = band_mask(pos, left, right)
-    if mask.dim() == 3:  # per-sequence permutation: [B, n, n] -> broadcast over heads
-        mask = mask[:, None]
+    position = torch.arange(n, device=q.device)
+    slot = position if perm is None else torch.argsort(perm.to(q.device).long(), dim=-1)
+    slot = slot.expand(B, n)
+    apart = slot[:, None, :] - slot[:, :, None]  # [B, query a, key b]: s[b] - s[a]
+    mask = (apart >= -left) & (apart <= right) & (position[None, :] <= position[:, None])
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
-    return out if perm is None else scatter_rows(out, perm)
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
