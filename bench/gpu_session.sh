@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Everything GPU-side in one call (a GPU lease is short): kernel tests on the GPU, the attention benchmark (the
-# issue's B=1 H=16 shape, then the paper-like batch of 8), and whole-model training throughput. From the repo root:
+# issue's B=1 H=16 shape) against SDPA and FlexAttention, whole-model training throughput, then what time is left
+# for the rest. From the repo root:
 #     OUT=bench/results/gpu_session bash bench/gpu_session.sh
-# With a baseline for the A/B stage (stages 1-6 take at most ~9 min; 7 to 9 use what is left of a 595 s run; on a
-# lent machine whose $OUT comes back):
+# On a lent machine whose $OUT comes back, with a baseline for the A/B stage (run only if time is left):
 #     D=$OUT; OUT=/tmp/gs PACK=$D/gpu_session.tgz BASELINE=.baseline bash bench/gpu_session.sh 2>&1 | tee $D/stdout.log
-# Each stage has its own time limit, so a slow stage cannot starve the later ones. Logs and CSVs go to $OUT and,
-# after every stage, into one archive $OUT.tgz (a lease returns few files; a run stopped mid-way keeps what it had).
-# PNG plots and markdown tables stay in bench/results/ (python -m bench.plot_csv redraws them from a CSV).
+# Stages run in the order of what the issue's GPU targets need: tests, attention (Triton vs SDPA), flex, model;
+# then B=8, CUDA graphs, the compiler's view, host cost, A/B, compiled model, recompute, optimizer, all kernel tests.
+# Each has its own time limit, cut to what is left before DEADLINE, so a slow stage cannot starve the ones after it
+# by more than its limit. The limits are sized from Triton 3.6 compile times measured for sm_90 without a GPU:
+# autotuning compiles ~25 configs per kernel and pi/no-pi variant, ~75 s for the first tuning key, once per
+# specialisation (later n only benchmark). Logs and CSVs go to $OUT and, after every stage, into one archive $PACK
+# (a lease returns few files; a run stopped mid-way keeps what it had). PNG plots and markdown tables stay in
+# bench/results/ (python -m bench.plot_csv redraws them from a CSV).
 set -u
 OUT=${OUT:-bench/results/gpu_session}
 PY=${PYTHON:-python3}
@@ -15,11 +20,12 @@ RES=bench/results
 mkdir -p "$OUT" "$RES/b8"
 OUT=$(CDPATH= cd -- "$OUT" && pwd)  # absolute: the A/B stage runs from other folders, and so must a relative $PY
 case $PY in */*) PY="$(CDPATH= cd -- "$(dirname -- "$PY")" && pwd)/$(basename -- "$PY")" ;; esac
-DEADLINE=${DEADLINE:-585}  # seconds after the start by which every stage has ended (a lent run gets 595)
+DEADLINE=${DEADLINE:-585}  # seconds after the start by which every stage has ended (a lent run gets 595 at most)
 lim() { local left=$((DEADLINE - SECONDS)); if ((left < $1)); then echo $((left > 1 ? left : 1)); else echo "$1"; fi; }
+left() { ((DEADLINE - SECONDS >= $1)); }  # at least $1 seconds remain: a stage worth starting
 PACK=${PACK:-$OUT.tgz}
 pack() { tar czf "$PACK.tmp" -C "$(dirname "$OUT")" "$(basename "$OUT")" && mv "$PACK.tmp" "$PACK"; }  # atomic
-status() { echo "-- stage $1 exit code $2 (124: stopped at its time limit)"; }
+status() { echo "-- stage $1 exit code $2 (124: stopped at its time limit) at ${SECONDS}s"; pack; }
 # the CSVs a stage has just written (bench/results/ may hold an earlier session's files)
 # (the stamp lives beside the results, on their filesystem, and out of $OUT's archive)
 started() { STAMP=$(mktemp -p "$RES" .stage_start.XXXXXX); }
@@ -31,22 +37,57 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.:tests HF_HUB_OFFLINE=1 HF_DATASETS_OFFLIN
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 $PY -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
+if [ -n "${BASELINE:-}" ] && [ ! -d "$BASELINE/kernels" ]; then
+    echo "warning: BASELINE=$BASELINE holds no kernels/ (carried?): the A/B stage will not run"
+fi
 
-echo "== 1. Triton kernel tests on the GPU (bf16 / long-sequence tests included; one pinned config), compiled blocks"
-SA_TRITON_AUTOTUNE=0 timeout "$(lim "${TEST_TIMEOUT:-80}")" $PY -m pytest -q -m "not slow" -n "${TEST_WORKERS:-12}" \
-    -o addopts="" tests/test_kernels_triton.py tests/test_compile.py \
+# -v: under xdist a run stopped at its limit prints no summary; the per-test lines say what passed
+echo "== tests: the GPU-only kernel tests (bf16 long sequences, head dims 32-256, the torch backend on CUDA, bitwise"
+echo "   deterministic backward), one pinned config"
+SA_TRITON_AUTOTUNE=0 timeout "$(lim "${TEST_TIMEOUT:-100}")" $PY -m pytest -v -k "gpu or deterministic" \
+    -n "${TEST_WORKERS:-12}" -o addopts="" tests/test_kernels_triton.py \
     tests/test_attention.py::test_torch_backend_on_cuda_matches_the_reference > "$OUT/tests.log" 2>&1
-echo "pytest exit code $?"; grep -E "passed|failed|Error|FAILED" "$OUT/tests.log" | tail -15
+status tests $?; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/tests.log" | tail -20
 
-echo "== 1b. what this Triton version's compiler makes of the kernels (pipeline depth, registers; no launch)"
-timeout "$(lim 25)" $PY -m bench.kernel_schedule 2>&1 | tee "$OUT/kernel_schedule.log"; status 1b "${PIPESTATUS[0]}"
+started; echo "== attention: bf16, B=1 H=16 D=64 w=256, n=2048..32768, Triton vs SDPA"
+timeout "$(lim "${BENCH_TIMEOUT:-200}")" $PY -m bench.attention --backends triton --out "$RES" 2>&1 \
+    | tee "$OUT/bench.log" | grep -v "^n="; status attention "${PIPESTATUS[0]}"
+fresh "$RES"
+
+# flex's correctness gate checks its gradients on the GPU too; torch.compile of flex per mask kind and length
+started; echo "== flex: FlexAttention SA/SWA, the peer the Triton kernels must beat"
+timeout "$(lim "${FLEX_TIMEOUT:-100}")" $PY -m bench.attention --backends flex --n 2048 8192 32768 \
+    --out "$RES/flex" 2>&1 | tee "$OUT/bench_flex.log" | grep -v "^n="; status flex "${PIPESTATUS[0]}"
+fresh "$RES/flex"
+
+echo "== model: 360M decoder, B=8, n=2048, bf16 autocast, fwd+bwd per variant"
+timeout "$(lim "${MODEL_TIMEOUT:-45}")" $PY -m bench.model --model 360m --batch 8 --out "$OUT" 2>&1 \
+    | tee "$OUT/model.log" | grep -v "^{"; status model "${PIPESTATUS[0]}"
+
+# B x heads is part of the tuning key: this batch tunes its own tiles (benchmarking the binaries compiled above)
+started; echo "== b8: attention at the paper-like batch, B=8 H=16 D=64 w=256 (Triton vs SDPA)"
+timeout "$(lim "${BENCH_B8_TIMEOUT:-45}")" $PY -m bench.attention --batch 8 --n 2048 8192 --backends triton \
+    --out "$RES/b8" 2>&1 | tee "$OUT/bench_b8.log" | grep -v "^n="; status b8 "${PIPESTATUS[0]}"
+fresh "$RES/b8"
+
+started; echo "== graphs: GPU time alone (calls replayed from a CUDA graph: no host launch cost, a warm L2)"
+timeout "$(lim "${GRAPHS_TIMEOUT:-45}")" $PY -m bench.attention --graphs --n 2048 8192 32768 --backends triton \
+    --out "$RES/graphs" 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^n="; status graphs "${PIPESTATUS[0]}"
+fresh "$RES/graphs"
+
+echo "== schedule: what this Triton version's compiler makes of the kernels (pipeline depth, registers; no launch)"
+timeout "$(lim 25)" $PY -m bench.kernel_schedule 2>&1 | tee "$OUT/kernel_schedule.log"
+status schedule "${PIPESTATUS[0]}"
+
+echo "== host: host cost of the Triton wrapper per call (launches stubbed; this machine's CPU)"
+timeout "$(lim 15)" $PY -m bench.host_overhead 2>&1 | tee "$OUT/host.log"; status host "${PIPESTATUS[0]}"
 
 # A kernel change measured side by side: BASELINE names a folder holding an earlier kernels/ (this tree's bench
 # code times it), e.g.  rm -rf .baseline && mkdir .baseline && git archive <commit> kernels | tar -x -C .baseline
-# (and carry .baseline)
-# Both sides run at one pinned config, so each compiles a few kernels and no autotuning choice differs.
-if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kernels" ]; then
-    echo "== 2. A/B at the pinned config (64x64 tiles): $BASELINE/kernels, then kernels/; n=8192 and 32768"
+# (and carry .baseline). Both sides run at one pinned config, so each compiles a few kernels and no autotuning
+# choice differs; each side needs ~45 s, so the stage runs only with time for all three.
+if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kernels" ] && left 140; then
+    echo "== ab: A/B at the pinned config (64x64 tiles): $BASELINE/kernels, then kernels/; n=8192 and 32768"
     ROOT=$(pwd)
     # same 3-stage pin on both sides: kernels before 2026-12-01 pinned 2 stages, which keep no tile in flight
     sed -i 's/"num_warps": 4, "num_stages": 2}/"num_warps": 4, "num_stages": 3}/' "$BASELINE/kernels/triton_band.py"
@@ -58,53 +99,31 @@ if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kernels" ]; then
         (cd "${side%:*}" && echo "kernels: ${side%:*} SA_TRITON_SPLIT=${side##*:}" && PYTHONPATH="$ROOT:$ROOT/tests" \
             SA_TRITON_AUTOTUNE=0 SA_TRITON_SPLIT=${side##*:} timeout "$(lim "${AB_TIMEOUT:-45}")" \
             $PY -m bench.attention --n 8192 32768 --backends triton --variants full swa sa --out "$OUT/ab_$i" > "$OUT/ab_$i.log" 2>&1
-         status "2.$i" $?; grep -E "FAILED|correctness gate" "$OUT/ab_$i.log"; grep -A8 "^| n " "$OUT/ab_$i.log")
+         echo "-- side $i exit code $? at ${SECONDS}s"; grep -E "FAILED|correctness gate" "$OUT/ab_$i.log"
+         grep -A8 "^| n " "$OUT/ab_$i.log")
+        pack
     done 2>&1 | tee "$OUT/ab.log"
 fi
-echo "== 2b. host cost of the Triton wrapper per call (launches stubbed; this machine's CPU)"
-timeout "$(lim 15)" $PY -m bench.host_overhead 2>&1 | tee "$OUT/host.log"; status 2b "${PIPESTATUS[0]}"
-pack
-started; echo "== 3. attention benchmark (bf16, B=1 H=16 D=64 w=256, n=2048..32768; triton and SDPA; flex in stage 7)"
-timeout "$(lim "${BENCH_TIMEOUT:-150}")" $PY -m bench.attention --backends triton --out "$RES" 2>&1 \
-    | tee "$OUT/bench.log" | grep -v "^n="; status 3 "${PIPESTATUS[0]}"
-fresh "$RES"
 
-pack
-started; echo "== 4. GPU time alone (calls replayed from a CUDA graph: no host launch cost, and a warm L2): triton vs SDPA"
-timeout "$(lim "${GRAPHS_TIMEOUT:-45}")" $PY -m bench.attention --graphs --n 2048 8192 32768 --backends triton \
-    --out "$RES/graphs" 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^n="; status 4 "${PIPESTATUS[0]}"
-fresh "$RES/graphs"
-
-pack
-started; echo "== 5. attention benchmark, paper-like batch: B=8 H=16 D=64 w=256 (triton vs SDPA)"
-timeout "$(lim "${BENCH_B8_TIMEOUT:-45}")" $PY -m bench.attention --batch 8 --n 2048 8192 --backends triton \
-    --out "$RES/b8" 2>&1 | tee "$OUT/bench_b8.log" | grep -v "^n="; status 5 "${PIPESTATUS[0]}"
-fresh "$RES/b8"
-
-pack
-echo "== 6. whole model: 360M decoder, B=8, n=2048, bf16 autocast, fwd+bwd per variant"
-timeout "$(lim "${MODEL_TIMEOUT:-40}")" $PY -m bench.model --model 360m --batch 8 --out "$OUT" 2>&1 \
-    | tee "$OUT/model.log" | grep -v "^{"; status 6 "${PIPESTATUS[0]}"
-pack
-# What is left before the deadline (~50 s when every stage above takes its whole limit) goes to the two below;
-# flex's correctness gate checks its gradients on the GPU too.
-started; echo "== 7. FlexAttention SA/SWA, the peer the Triton kernels must beat (its GPU code is unchanged since 2026-11-30)"
-timeout "$(lim "${FLEX_TIMEOUT:-60}")" $PY -m bench.attention --backends flex --n 2048 8192 32768 \
-    --out "$RES/flex" 2>&1 | tee "$OUT/bench_flex.log" | grep -v "^n="; status 7 "${PIPESTATUS[0]}"
-fresh "$RES/flex"
-pack
-echo "== 8. whole model with compiled blocks (trainer.compile), gated SA+SWA; its eager time is stage 6's"
+echo "== compiled: whole model with compiled blocks (trainer.compile), gated SA+SWA; its eager time is stage model's"
 timeout "$(lim "${MODEL_COMPILE_TIMEOUT:-90}")" $PY -m bench.model --model 360m --batch 8 --variants gated_sa_swa \
     --compiled-only --out "$OUT/compiled" 2>&1 | tee "$OUT/model_compiled.log" | grep -v "^{"
-status 8 "${PIPESTATUS[0]}"
-pack
-echo "== 9. activation checkpointing and the chunked loss (trainer.activation_checkpointing, trainer.loss_chunk_tokens):"
-echo "   360M SA, B=8, step time and peak memory"
+status compiled "${PIPESTATUS[0]}"
+
+echo "== recompute: activation checkpointing and the chunked loss (trainer.activation_checkpointing,"
+echo "   trainer.loss_chunk_tokens): 360M SA, B=8, step time and peak memory"
 timeout "$(lim "${RECOMPUTE_TIMEOUT:-50}")" $PY -m bench.model --model 360m --batch 8 --variants sa --recompute \
     --loss-chunk 8192 --out "$OUT/recompute" 2>&1 | tee "$OUT/model_recompute.log" | grep -v "^{"
-status 9 "${PIPESTATUS[0]}"
-pack
-echo "== 10. the optimizer step of the 360M model: torch's default AdamW (foreach) against the fused one training uses"
+status recompute "${PIPESTATUS[0]}"
+
+echo "== optimizer: the 360M model's optimizer step, torch's default AdamW (foreach) against the fused one"
 timeout "$(lim "${OPTIMIZER_TIMEOUT:-20}")" $PY -m bench.optimizer --model 360m 2>&1 | tee "$OUT/optimizer.log"
-status 10 "${PIPESTATUS[0]}"
-pack
+status optimizer "${PIPESTATUS[0]}"
+
+echo "== tests-all: with what is left, every Triton kernel test on the GPU (one pinned config) and compiled blocks"
+if left 30; then
+    SA_TRITON_AUTOTUNE=0 timeout "$(lim 600)" $PY -m pytest -v -m "not slow" -n "${TEST_WORKERS:-12}" -o addopts="" \
+        tests/test_kernels_triton.py tests/test_compile.py > "$OUT/tests_all.log" 2>&1
+    status tests-all $?; echo "$(grep -c PASSED "$OUT/tests_all.log") passed"
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/tests_all.log" | tail -10
+fi

@@ -66,7 +66,7 @@ def step_ms(model, tokens, device, steps: int, autocast: bool, chunk: int) -> fl
 
 
 def saved_mb(model, tokens, autocast: bool, chunk: int) -> float:
-    """MB that autograd keeps for the backward in one training step (what activation checkpointing cuts): each
+    """MiB that autograd keeps for the backward in one training step (what activation checkpointing cuts): each
     storage once (log_softmax and nll_loss save the same log-probabilities), the model's parameters left out."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}
@@ -140,7 +140,7 @@ def main():
     base = next((r["step_ms"] for r in rows if r["variant"] == "full" and not r["compiled"] and not r["recompute"]
                  and not r["loss_chunk"]), None)
     peak = rows[0]["peak_gib"] is not None
-    print("\n| variant | step ms (fwd+bwd) | tokens/s | vs full (eager) | saved for backward (MB) |"
+    print("\n| variant | step ms (fwd+bwd) | tokens/s | vs full (eager) | saved for backward (MiB) |"
           + (" peak GiB |" if peak else "") + "\n|---|---|---|---|---|" + ("---|" if peak else ""))
     for r in rows:
         rel = f"{r['step_ms'] / base:.3f}" if base else "-"

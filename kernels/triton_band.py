@@ -19,8 +19,8 @@ every tile); the last crosses one band edge only and checks only that one; the t
 all, as in flash attention's unmasked off-diagonal blocks. The loops load pi's entries for a gather one tile ahead
 and those for the mask in their own step (_loop_tile), so gathered tiles pipeline as deep as contiguous ones.
 
-Block sizes are autotuned on CUDA (key: n and left+right+1 rounded up to powers of two, head dim, pi or not, GQA
-group, split loops or not; timings kept on disk; env SA_TRITON_AUTOTUNE=0 pins one config); under
+Block sizes are autotuned on CUDA (key: n, left+right+1 and batch x query heads rounded up to powers of two, head
+dim, pi or not, GQA group, split loops or not; timings kept on disk; env SA_TRITON_AUTOTUNE=0 pins one config); under
 TRITON_INTERPRET=1 (CPU tests) one large-block config is used, since the interpreter's cost grows with programs x
 ops, not FLOPs.
 """
@@ -216,7 +216,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, PERM, perm_off, offs_m, pos_m, 
 def _fwd_kernel(
     Q, K, V, O, LSE, PERM,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, spb,
-    n, left, right, Hq, qk_scale, n_key, band_key,
+    n, left, right, Hq, qk_scale, n_key, band_key, bh_key,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -299,7 +299,7 @@ def _dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, PERM,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
     sdkb, sdkh, sdkn, sdvb, sdvh, sdvn, spb,
-    n, left, right, Hq, Hkv, qk_scale, sm_scale, n_key, band_key,
+    n, left, right, Hq, Hkv, qk_scale, sm_scale, n_key, band_key, bh_key,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -375,7 +375,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, PERM, perm_off, offs_m, pos
 def _dq_kernel(
     Q, K, V, O, DO, LSE, DELTA, DQ, PERM,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdb, sdh, sdn, sdqb, sdqh, sdqn, spb,
-    n, left, right, Hq, qk_scale, sm_scale, n_key, band_key,
+    n, left, right, Hq, qk_scale, sm_scale, n_key, band_key, bh_key,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PERM: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -420,11 +420,13 @@ def _dq_kernel(
 # launch configuration: autotuned on CUDA, one big-block config under the interpreter
 # ----------------------------------------------------------------------------------------------------------------
 
-# Tuning key: sequence length and band width rounded up to powers of two (n_key, band_key: launch arguments the
-# kernels ignore), so variable-length evaluation does not re-tune for every length; the head dim, whether rows move
+# Tuning key: sequence length, band width and batch x query heads rounded up to powers of two (n_key, band_key,
+# bh_key: launch arguments the kernels ignore), so variable-length evaluation does not re-tune for every length while
+# a training batch does not launch tiles chosen for an evaluation's one sequence (the grid's size against the SMs
+# decides the best tiles, and the timings on disk outlive the process); the head dim, whether rows move
 # through pi (gathers), the GQA group (the dk/dv kernel's work per program) and SPLIT (SA_TRITON_SPLIT: another loop
 # structure, whose best tiles differ; constant in a process, but the timings on disk are shared between processes).
-_TUNE_KEY = ["n_key", "band_key", "HEAD_DIM", "HAS_PERM", "GROUP", "SPLIT"]
+_TUNE_KEY = ["n_key", "band_key", "bh_key", "HEAD_DIM", "HAS_PERM", "GROUP", "SPLIT"]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -505,12 +507,12 @@ def _pow2(x: int) -> int:
     return 1 << max(int(x) - 1, 0).bit_length()
 
 
-def _tune_keys(n: int, left: int, right: int) -> tuple[int, int]:
-    return _pow2(max(n, 1)), _pow2(left + right + 1)
+def _tune_keys(n: int, left: int, right: int, batch_heads: int) -> tuple[int, int, int]:
+    return _pow2(max(n, 1)), _pow2(left + right + 1), _pow2(batch_heads)
 
 
-# (kernel, n_key, band_key, kwargs, dtype, device) -> the config the autotuner chose. Later calls launch the jitted
-# kernel with it directly: Triton's Autotuner.run rebuilds its key from every argument on each call (tens of
+# (kernel, n_key, band_key, bh_key, kwargs, dtype, device) -> the config the autotuner chose. Later calls launch the
+# jitted kernel with it directly: Triton's Autotuner.run rebuilds its key from every argument on each call (tens of
 # microseconds of host time per launch, which is most of a launch at short sequence lengths).
 _chosen: dict = {}
 
@@ -520,7 +522,7 @@ def _launch(kernel, heads_batch: tuple[int, int], args, kwargs, block_axis: str,
         cfg = _interp_blocks(n) if _INTERPRET else _fixed_gpu_config(row_bytes)
         kernel[(triton.cdiv(n, cfg[block_axis]), *heads_batch)](*args, **kwargs, **cfg)
         return
-    key = (kernel, args[-2], args[-1], tuple(kwargs.items()), args[0].dtype, args[0].device)
+    key = (kernel, *args[-3:], tuple(kwargs.items()), args[0].dtype, args[0].device)
     cfg = _chosen.get(key)
     if cfg is None:
         kernel[lambda meta: (triton.cdiv(n, meta[block_axis]), *heads_batch)](*args, **kwargs)
@@ -596,7 +598,7 @@ def _forward(q, k, v, left, right, perm_t, spb, scale):
                 _fwd, (Hq, B),
                 (q, k, v, o, lse, perm_t if perm_t is not None else q,
                  *_strides(q), *_strides(k), *_strides(v), *_strides(o), spb,
-                 n, left, right, Hq, scale * _LOG2E, *_tune_keys(n, left, right)),
+                 n, left, right, Hq, scale * _LOG2E, *_tune_keys(n, left, right, B * Hq)),
                 flags, "BLOCK_M", n, flags["BLOCK_D"] * q.element_size(),
             )
     return o, lse
@@ -616,7 +618,7 @@ def _backward(do, q, k, v, o, lse, left, right, perm_t, spb, scale):
         delta = _empty(lse.shape, lse)
         perm_arg = perm_t if perm_t is not None else q
         flags = _flags(q, k, perm_t)
-        keys = _tune_keys(n, left, right)
+        keys = _tune_keys(n, left, right, B * Hq)
         row_bytes = flags["BLOCK_D"] * q.element_size()
         _launch(  # first: it also writes delta, which the dk/dv kernel reads
             _dq, (Hq, B),

@@ -313,8 +313,12 @@ def test_the_autotuned_launch_path_matches_the_reference(tb, monkeypatch):
             check_against_naive(qkv, do, *default_band(9, perm is not None), perm, F32)
     assert len(tb._chosen) == 6  # three kernels, with and without pi
     assert {cfg["BLOCK_M"] for cfg in tb._chosen.values()} <= {16, 32}
+    # one sequence (an evaluation) is tuned apart from the batch: the grid's size decides the best tiles
+    check_against_naive([t[:1] for t in qkv], do[:1], *default_band(9, False), None, F32)
+    assert len(tb._chosen) == 9 and {key[3] for key in tb._chosen} == {8, 4}  # bh_key: B x Hq rounded up
 
 
+@pytest.mark.skipif(not INTERPRET, reason="each drawn shape compiles its own kernels on a GPU (minutes)")
 @settings(max_examples=25, deadline=None)
 @given(
     data=st.data(),
