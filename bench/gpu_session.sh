@@ -103,6 +103,8 @@ if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/kernels" ] && left 140; then
          grep -A8 "^| n " "$OUT/ab_$i.log")
         pack
     done 2>&1 | tee "$OUT/ab.log"
+elif [ -n "${BASELINE:-}" ]; then
+    echo "== ab: skipped ($((DEADLINE - SECONDS)) s left; it needs 140, and $BASELINE/kernels)"
 fi
 
 echo "== compiled: whole model with compiled blocks (trainer.compile), gated SA+SWA; its eager time is stage model's"

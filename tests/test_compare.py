@@ -464,8 +464,11 @@ def test_a_run_that_stopped_early_is_not_averaged_with_finished_seeds(tmp_path):
     for name, seed, loss in (("a", 0, 2.0), ("b", 1, 2.2)):
         _fake_run(tmp_path, name, seed=seed, max_steps=30, rows=[(0, 29, loss, 960, ""), (0, 30, "", "", loss)])
     _fake_run(tmp_path, "c", seed=2, max_steps=30, rows=[(0, 9, 3.9, 320, ""), (0, 10, "", "", 3.9)])
+    _fake_run(tmp_path, "d", seed=3, max_steps=30, rows=[(0, 19, 3.1, 640, ""), (0, 20, "", "", 3.1)])
     text = compare([str(tmp_path)], tmp_path / "out", plots=False)["markdown"]
-    assert "| sa w=8 | 2 | 2.1000 ± 0.1414 |" in text and "| sa w=8 [stopped early] | 1 | 3.9000 |" in text
+    assert "| sa w=8 | 2 | 2.1000 ± 0.1414 |" in text  # nor with each other, at different steps
+    assert "| sa w=8 [stopped at 10/30] | 1 | 3.9000 |" in text
+    assert "| sa w=8 [stopped at 20/30] | 1 | 3.1000 |" in text
     assert "Note: c stopped at step 10 of 30" in (tmp_path / "out" / "compare.md").read_text()
 
 

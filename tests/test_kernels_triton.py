@@ -342,8 +342,9 @@ def test_property_random_shapes(data, n, D, Hkv, group, B, kind, dtype, tiles, s
     seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
     gen = torch.Generator().manual_seed(seed)
     qkv, do = make_inputs(B, Hkv * group, Hkv, n, D, dtype, gen)
-    perm = None if kind == "none" else torch.tensor(
-        [data.draw(st.permutations(range(n)), label="pi") for _ in range(B if kind == "batch" else 1)], device=DEVICE)
+    perm = None if kind == "none" else torch.tensor(  # per-sequence pi as int32, as model.permutation draws it
+        [data.draw(st.permutations(range(n)), label="pi") for _ in range(B if kind == "batch" else 1)], device=DEVICE,
+        dtype=torch.int32 if kind == "batch" else torch.int64)
     perm = perm if perm is None or kind == "batch" else perm[0]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(module, "_interp_blocks", lambda _: {"BLOCK_M": tiles[0], "BLOCK_N": tiles[1]})

@@ -93,11 +93,12 @@ def markdown_table(rows: list[dict], eval_keys: list[str]) -> str:
 
 
 def summary_table(rows: list[dict], eval_keys: list[str]) -> str:
-    """Mean ± std per configuration. Runs that stopped early get a row of their own: their last values come from
-    fewer steps (or from before a divergence) than their finished seeds'."""
+    """Mean ± std per configuration. A run that stopped early is pooled only with seeds that stopped at the same
+    step: its last values come from fewer steps (or from before a divergence) than its finished seeds'."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
-        groups.setdefault(r["group"] + (" [stopped early]" if _stopped_early(r) else ""), []).append(r)
+        early = f" [stopped at {r['steps']}/{r['planned_steps']}]" if _stopped_early(r) else ""
+        groups.setdefault(r["group"] + early, []).append(r)
 
     def stat(values, fmt="{:.4f}"):
         """Mean ± sample std; a non-finite value (a diverged seed) makes the cell nan; (n=k) where only k of the

@@ -8,6 +8,7 @@ Eval results are the results.json files under <run>/eval/ (evaluation.runner and
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import sys
@@ -73,7 +74,7 @@ def _attention_label(data: dict, trained: dict | None) -> str:
     return f" [{', '.join(diff)}]" if diff else ""
 
 
-def _stale(data: dict, final: Path | None, steps: int | None) -> bool:
+def _stale(data: dict, final: Path | None, steps: int | None, identity) -> bool:
     """Whether results.json scored an earlier file of the final checkpoint's name. The same mtime: the same file.
     Another mtime is a copied run folder or a rewrite: the training attempt and step recorded in both tell them apart
     (a restart from an earlier checkpoint that ended at the scored step holds other weights); files written before
@@ -83,23 +84,19 @@ def _stale(data: dict, final: Path | None, steps: int | None) -> bool:
     if final is None or mtime is None or step is None or final.stat().st_mtime_ns == mtime:
         return False
     if data.get("checkpoint_attempt"):
-        from model.checkpoint import checkpoint_identity
-
-        attempt, saved_step = checkpoint_identity(final)
+        attempt, saved_step = identity()
         if attempt is not None:  # a restart from the same attempt's earlier checkpoint keeps its id, not its step
             return attempt != data["checkpoint_attempt"] or saved_step != step
     return steps is not None and step < steps
 
 
-def _final_step_file(data: dict, final: Path | None, steps: int | None) -> bool:
+def _final_step_file(data: dict, final: Path | None, steps: int | None, identity) -> bool:
     """Whether results.json scored a step<N> file (.ckpt, or weights/*.pt) of the run's last step: the state
     last.ckpt holds, saved beside it by the same attempt."""
     step = data.get("checkpoint_step")
-    if step is None or final is None:
+    if step is None or final is None or (steps is not None and step < steps):  # an earlier step's: no need to look
         return False
-    from model.checkpoint import checkpoint_identity
-
-    attempt, final_step = checkpoint_identity(final)
+    attempt, final_step = identity()
     if final_step is None:  # unreadable: the run's own log says where it ended
         return step == steps
     return step == final_step and data.get("checkpoint_attempt") in (None, attempt)
@@ -114,6 +111,13 @@ def read_evals(run_dir: Path, trained_attention: dict | None = None, steps: int 
     final = _final_checkpoint(run_dir)
     # a run folder copied without its checkpoints still ended with last.ckpt (train.py always writes one)
     final_name = final.name if final is not None else "last.ckpt"
+
+    @functools.cache
+    def identity() -> tuple[str | None, int | None]:  # (attempt, step) of the final checkpoint, read once
+        from model.checkpoint import checkpoint_identity
+
+        return checkpoint_identity(final)
+
     found: list[tuple[float, Path, dict]] = []
     for path in sorted((run_dir / "eval").rglob("results.json")) if (run_dir / "eval").is_dir() else []:
         try:
@@ -122,9 +126,10 @@ def read_evals(run_dir: Path, trained_attention: dict | None = None, steps: int 
             print(f"warning: skipping unreadable {path}: {err}", file=sys.stderr)
             continue
         scored = data.get("checkpoint")
-        if scored and Path(scored).name not in (final_name, "last.ckpt") and not _final_step_file(data, final, steps):
+        if scored and Path(scored).name not in (final_name, "last.ckpt") \
+                and not _final_step_file(data, final, steps, identity):
             continue  # an intermediate checkpoint's evaluation
-        if _stale(data, final, steps):
+        if _stale(data, final, steps, identity):
             print(f"warning: {run_dir.name}: {path} scored an earlier {final.name} (step {data.get('checkpoint_step')})"
                   "; left out", file=sys.stderr)
             continue
