@@ -9,8 +9,8 @@
 # then B=8, CUDA graphs, the compiler's view, host cost, A/B, compiled model, recompute, optimizer, all kernel tests.
 # Each has its own time limit, cut to what is left before DEADLINE, so a slow stage cannot starve the ones after it
 # by more than its limit. The limits are sized from Triton 3.6 compile times measured for sm_90 without a GPU:
-# autotuning compiles ~25 configs per kernel and pi/no-pi variant, ~75 s for the first tuning key, once per
-# specialisation (later n only benchmark). Logs and CSVs go to $OUT and, after every stage, into one archive $PACK
+# autotuning compiles 25 configs per pi/no-pi variant (~55 s for both, once per specialisation; later n only
+# benchmark), the gate's ragged n=1999 ~15 s more; the GPU tests' slowest worker compiles ~20 s (fp32 dk/dv). Logs and CSVs go to $OUT and, after every stage, into one archive $PACK
 # (a lease returns few files; a run stopped mid-way keeps what it had). PNG plots and markdown tables stay in
 # bench/results/ (python -m bench.plot_csv redraws them from a CSV).
 set -u
