@@ -103,8 +103,9 @@ def _final_step_file(data: dict, final: Path | None, steps: int | None, identity
 
 
 def read_evals(run_dir: Path, trained_attention: dict | None = None, steps: int | None = None) -> dict[str, float]:
-    """{"task/metric": value} from the eval/**/results.json files that scored the run's final checkpoint (those of
-    an intermediate checkpoint, e.g. eval/probes_step280, and of an earlier last.ckpt are left out), the newest file
+    """{"task/metric": value} from the eval/**/results.json files that scored the run's final weights (last.ckpt, or
+    the step<N> file of its last step; those of an intermediate checkpoint, e.g. eval/probes_step280, and of an
+    earlier last.ckpt are left out), the newest file
     winning where two give a metric; a warning names the files when their values differ. Results under another
     attention than the trained one, or on a limited number of examples, are keyed apart:
     "probe_needle/acc [window=64]", "lambada_openai/acc [limit=10]"."""
