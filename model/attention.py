@@ -15,10 +15,14 @@ from model.permutation import PermutationSampler
 def full_causal_attention(q, k, v, backend: str = "auto"):
     if backend == "naive":
         return banded_attention(q, k, v, window=q.shape[2], backend="naive")
-    if q.shape[1] != k.shape[1]:
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and q.is_cuda and q.dtype == torch.float32:
+        # no fused CUDA kernel takes GQA in fp32: enable_gqa would fall back to the O(n^2)-memory math kernel
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        gqa = False
+    # flash (CUDA fp16/bf16) and the CPU flash kernel read each K/V head for its group of query heads unexpanded
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 class Attention(nn.Module):

@@ -494,3 +494,19 @@ def test_the_window_at_which_a_variant_becomes_full_attention(kind, n):
     if smallest > 1 and n > 1:
         below = run(smallest - 1) if kind != "moba" else [run(smallest - 1)]
         assert any(rel_err(out, full) > 1e-3 for out in below)  # one slot narrower: not full attention
+
+
+@pytest.mark.parametrize("Hkv", [1, 2, 4])
+def test_full_attention_with_grouped_kv_heads_matches_the_reference(Hkv):
+    """SDPA reads each K/V head for its group of query heads (enable_gqa, no expanded copy): output and gradients."""
+    from model.attention import full_causal_attention
+
+    torch.manual_seed(Hkv)
+    q = torch.randn(2, 4, 37, 16, requires_grad=True)
+    k, v = (torch.randn(2, Hkv, 37, 16, requires_grad=True) for _ in range(2))
+    ours, ref = full_causal_attention(q, k, v), full_causal_attention(q, k, v, backend="naive")
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(ours)
+    grads = torch.autograd.grad(ours, (q, k, v), g)
+    for got, want in zip(grads, torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
