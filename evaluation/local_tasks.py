@@ -40,6 +40,7 @@ import csv
 import hashlib
 import json
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -289,6 +290,8 @@ def _write_mmlu(data_dir: Path, task_dir: Path, cache_dir: Path | None) -> tuple
         return None, f"no {test_dir}/<subject>_test.csv", []
     out = task_dir / "mmlu"
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.yaml"):  # rewritten below; an earlier call's subject whose file is gone must not stay
+        stale.unlink()
     tags: dict[str, list[str]] = {}
     no_fewshot: list[str] = []
     for subject in present:
@@ -334,6 +337,18 @@ def _fingerprint(data_dir: Path, files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
+def _forget(task_dir: Path, name: str):
+    """Remove what an earlier call wrote for a task whose local files are gone: task_dir is on lm-eval's include
+    path whenever any local task is, and a stale YAML there would shadow the hub task with the old data."""
+    if name == "mmlu":
+        for folder in (task_dir / "mmlu", task_dir / "data" / "mmlu"):
+            shutil.rmtree(folder, ignore_errors=True)
+        return
+    (task_dir / f"{name}.yaml").unlink(missing_ok=True)
+    for suffix in (".jsonl", ".dev.jsonl", ".fingerprint"):
+        (task_dir / "data" / f"{name}{suffix}").unlink(missing_ok=True)
+
+
 def write_local_tasks(data_dir: str | Path, tasks: Iterable[str], task_dir: str | Path,
                       cache_dir: str | Path | None = None) -> LocalTasks:
     """Convert the local files of `tasks`, write their YAMLs under `task_dir` (data reused while sources are unchanged).
@@ -350,6 +365,7 @@ def write_local_tasks(data_dir: str | Path, tasks: Iterable[str], task_dir: str 
             yaml_path, note, no_fewshot = _write_mmlu(data_dir, task_dir, cache_dir)
             if yaml_path is None:
                 result.missing[name] = note
+                _forget(task_dir, name)
             else:
                 result.available[name] = yaml_path
                 result.no_fewshot += no_fewshot
@@ -363,6 +379,7 @@ def write_local_tasks(data_dir: str | Path, tasks: Iterable[str], task_dir: str 
         if sources is None:
             wanted = " or ".join("+".join(group) for group in (spec.sources, *spec.alternatives))
             result.missing[name] = f"no {wanted} under {data_dir}"
+            _forget(task_dir, name)
             continue
         data, dev = task_dir / "data" / f"{name}.jsonl", task_dir / "data" / f"{name}.dev.jsonl"
         fewshot = data_dir / spec.fewshot[0] if spec.fewshot else None
@@ -375,6 +392,7 @@ def write_local_tasks(data_dir: str | Path, tasks: Iterable[str], task_dir: str 
             docs = spec.docs(data_dir)
             if not docs:
                 result.missing[name] = f"{', '.join(map(str, sources))} holds no examples"
+                _forget(task_dir, name)
                 continue
             _write_jsonl(data, docs)
             if fewshot is not None:

@@ -513,6 +513,34 @@ def test_siqa_conversion_follows_its_labels_file(evaldata, tmp_path):
     assert converted() == after != before
 
 
+def test_a_task_whose_local_files_are_gone_leaves_no_yaml_behind(evaldata, tmp_path):
+    """The task folder is on lm-eval's include path whenever any local task is: a YAML kept from an earlier call
+    would shadow the hub task with the old converted data (and be reported as the hub)."""
+    import shutil
+
+    from lm_eval.tasks import TaskManager
+
+    from evaluation.local_tasks import write_local_tasks
+
+    folder = shutil.copytree(evaldata[0], tmp_path / "evaldata")
+    tasks = ["piqa", "arc_easy", "mmlu"]
+    before = write_local_tasks(folder, tasks, tmp_path / "tasks")
+    assert set(before.available) == set(tasks) and (tmp_path / "tasks" / "mmlu" / "mmlu_anatomy.yaml").is_file()
+    shutil.rmtree(folder / "piqa")
+    kept = sorted((folder / "mmlu" / "test").glob("*_test.csv"))
+    kept[0].unlink()  # one subject of the two gone
+    after = write_local_tasks(folder, tasks, tmp_path / "tasks")
+    assert set(after.available) == {"arc_easy", "mmlu"} and "piqa" in after.missing
+    assert not list((tmp_path / "tasks").rglob("piqa*"))
+    gone = "mmlu_" + kept[0].name.removesuffix("_test.csv")
+    assert not (tmp_path / "tasks" / "mmlu" / f"{gone}.yaml").is_file()
+    index = TaskManager(include_path=str(after.task_dir), include_defaults=False).all_tasks
+    assert "arc_easy" in index and "piqa" not in index and gone not in index
+    shutil.rmtree(folder / "mmlu")
+    assert "mmlu" in write_local_tasks(folder, tasks, tmp_path / "tasks").missing
+    assert not (tmp_path / "tasks" / "mmlu").exists()
+
+
 def _local_lm_eval(salm, folder: Path, tasks: list[str], tmp_path: Path, limit=None) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
