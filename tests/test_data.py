@@ -2,6 +2,7 @@
 
 import gzip
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -377,6 +378,34 @@ def test_concurrent_prepare_waits_for_the_one_that_builds(tmp_path, corpus_file)
         assert waiter.is_alive() and not root.exists()  # it waits instead of tokenizing too
     waiter.join(timeout=120)
     assert not waiter.is_alive() and results[0].root == root and (root / "meta.json").is_file()
+
+
+def test_without_flock_a_builder_overtaken_by_another_returns_its_data(tmp_path, corpus_file, monkeypatch):
+    """Where the file system has no flock, two builders of one folder run side by side; the one that finishes first
+    removes the validation parts the other resumes through. The late one must return the finished data, not fail."""
+    from contextlib import contextmanager
+
+    import data.prepare as prep
+
+    @contextmanager
+    def no_flock(path, waiting_message):  # what exclusive_lock yields where flock fails with ENOLCK / EOPNOTSUPP
+        yield False
+
+    monkeypatch.setattr(prep, "exclusive_lock", no_flock)
+    cfg = data_cfg([corpus_file], tokenizer={"path": None, "vocab_size": 300, "train_chars": 20_000},
+                   shard_tokens=2_000)
+    real_write, overtaken = shards.write_shard, []
+
+    def write_shard(path, tokens):
+        real_write(path, tokens)
+        if Path(path).name.startswith("val_part_") and not overtaken:  # the late builder is mid-way
+            overtaken.append(None)
+            overtaken[0] = prepare(cfg, tmp_path, progress=False)  # the other one runs to the end meanwhile
+
+    monkeypatch.setattr(prep.shards, "write_shard", write_shard)
+    late = prepare(cfg, tmp_path, progress=False)
+    assert overtaken and late.root == overtaken[0].root and late.meta["tokens"] == overtaken[0].meta["tokens"]
+    np.testing.assert_array_equal(shards.read_shard(late.val_shard), shards.read_shard(overtaken[0].val_shard))
 
 
 def test_windows_are_deterministic_by_seed_index_rank(tmp_path, corpus_file):
