@@ -66,6 +66,13 @@ def _builder(path: str) -> str:
                       f"(optionally compressed: {', '.join(_COMPRESSIONS)})")
 
 
+def _not_a_corpus_file(path: Path) -> bool:
+    """What a folder holds beside its corpus: hidden files, docs and licences, the probes' parameter sidecars."""
+    name = path.name.lower()
+    return (name.startswith(".") or path.suffix in {".md", ".tsv"} or name.endswith(".spec.json")
+            or name.split(".")[0] in {"readme", "license", "licence", "copying", "notice", "manifest"})
+
+
 def resolve_files(paths) -> list[str]:
     """Expand globs and folders into a sorted list of files, each once (a file that two paths name, e.g. a folder
     and a glob in it, would be read twice, and its held-out documents would enter training through the second
@@ -80,7 +87,7 @@ def resolve_files(paths) -> list[str]:
         elif os.path.isdir(pattern):
             matches = sorted(p for p in glob.glob(os.path.join(glob.escape(pattern), "**", "*"), recursive=True)
                              if os.path.isfile(p))
-            matches = [p for p in matches if not Path(p).name.startswith(".") and Path(p).suffix not in {".md", ".tsv"}]
+            matches = [p for p in matches if not _not_a_corpus_file(Path(p))]
         else:
             matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))  # not folders
         if not matches:
@@ -190,6 +197,8 @@ def hub_documents(name: str, config: str | None, split: str, text_field: str, st
                   revision: str | None = None) -> Iterator[str]:
     import datasets
 
+    if os.path.isdir(os.path.expanduser(name)):  # load_dataset takes "~/corpus" for a hub repo name
+        name = os.path.expanduser(name)
     try:
         ds = datasets.load_dataset(name, config, split=split, streaming=streaming, revision=revision)
     except Exception as err:  # offline, unknown name, no permission: say how to use local files instead

@@ -709,6 +709,25 @@ def test_cache_key_covers_the_files_of_a_local_hf_dataset_folder(tmp_path):
     assert prepared_root(cfg, tmp_path / "cache") == tmp_path / "cache" / f"hf-{cache_key(cfg)}"
 
 
+def test_a_local_hf_dataset_folder_may_be_named_from_home(tmp_path, monkeypatch):
+    """data.source.name=~/corpus reaches Python unexpanded (Hydra leaves it): datasets would look it up on the hub."""
+    from data.sources import hub_documents
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "train.jsonl").write_text(json.dumps({"text": "a document from home"}) + "\n")
+    assert list(hub_documents("~/corpus", None, "train", "text")) == ["a document from home"]
+
+
+def test_a_folder_of_files_leaves_out_what_is_not_corpus(tmp_path):
+    from data.sources import resolve_files
+
+    for name in ("a.jsonl", "README.txt", "LICENSE", "notes.md", "MANIFEST.tsv", "p.jsonl.spec.json", ".hidden.txt"):
+        (tmp_path / name).write_text(json.dumps({"text": "x"}) + "\n")
+    assert resolve_files([str(tmp_path)]) == [str(tmp_path / "a.jsonl")]
+    assert resolve_files([str(tmp_path / "README.txt")]) == [str(tmp_path / "README.txt")]  # named, it is read
+
+
 def test_the_tokenizer_is_trained_on_training_documents_only(tmp_path):
     """A word only the validation documents hold gets no token of its own: the tokenizer never saw it."""
     from data.prepare import _is_val
