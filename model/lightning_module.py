@@ -165,6 +165,7 @@ class LitDecoder(L.LightningModule):
         # and a count taken then shrank MFU by the world size
         self._params_non_embedding = self.model.num_parameters(non_embedding=True)
         self._loss_sum, self._loss_count = None, 0  # the micro-batch losses of the current optimizer step
+        self._loss_weight = 0  # the targets they count
         self.tokenizer_json: str | None = None  # saved inside every checkpoint, so a checkpoint alone can be evaluated
         # data.loss_only_after: the loss counts only the target right after each occurrence of this token (its id).
         self.loss_only_after: str | None = None
@@ -297,7 +298,8 @@ class LitDecoder(L.LightningModule):
         """(mean loss over the counted targets, their number, how many of them greedy decoding gets right or None).
 
         With data.loss_only_after each micro-batch is the mean over its own answers (no host sync); one without
-        any contributes a zero loss and no gradient.
+        any contributes a zero loss and no gradient. The gradient of an accumulated step is then the mean of its
+        micro-batches' means (a micro-batch of 1 answer weighs as much as one of 50); train/loss is over answers.
         """
         tokens, targets = batch[:, :-1], batch[:, 1:]
         hidden, head = self.model.hidden_states(tokens), self.model.lm_head.weight
@@ -313,7 +315,7 @@ class LitDecoder(L.LightningModule):
         return total / count.clamp_min(1), count, right
 
     def training_step(self, batch, batch_idx):
-        loss, _, _ = self._loss(batch)
+        loss, count, _ = self._loss(batch)
         finite = bool(torch.isfinite(loss.detach()))
         if self._trainer is not None:  # every rank stops together: a rank left alone would wait in the all-reduce
             finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
@@ -325,12 +327,22 @@ class LitDecoder(L.LightningModule):
             )
         trainer = self.trainer
         tokens_per_step = batch[:, :-1].numel() * trainer.world_size * trainer.accumulate_grad_batches
-        # train/loss is logged once per optimizer step (on_before_optimizer_step): the mean over its micro-batches
-        # and ranks. Logged here, it was the last micro-batch of rank zero, 1/accumulation of the step's data.
-        self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()
-        self._loss_count += 1
+        self._add_to_step_loss(loss.detach(), count)
         self.log("train/tokens", float((self.global_step + 1) * tokens_per_step))
         return loss
+
+    def _add_to_step_loss(self, loss: torch.Tensor, count):
+        """train/loss is logged once per optimizer step (on_before_optimizer_step): the mean over the targets its
+        micro-batches count, averaged over ranks. Logged per micro-batch, it was the last one of rank zero,
+        1/accumulation of the step's data; a plain mean of micro-batch means let data.loss_only_after's micro-batches
+        without an answer (loss 0) pull it down."""
+        weighted = loss * count
+        self._loss_sum = weighted if self._loss_sum is None else self._loss_sum + weighted
+        self._loss_weight = self._loss_weight + count
+        self._loss_count += 1
+
+    def _step_loss(self) -> torch.Tensor:
+        return self._loss_sum / torch.as_tensor(self._loss_weight).clamp_min(1)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         now = time.perf_counter()
@@ -416,8 +428,8 @@ class LitDecoder(L.LightningModule):
     def on_before_optimizer_step(self, optimizer):
         self.log("train/lr", optimizer.param_groups[0]["lr"])
         if self._loss_count:
-            self.log("train/loss", self._loss_sum / self._loss_count, prog_bar=True, sync_dist=True)
-            self._loss_sum, self._loss_count = None, 0
+            self.log("train/loss", self._step_loss(), prog_bar=True, sync_dist=True)
+            self._loss_sum, self._loss_count, self._loss_weight = None, 0, 0
 
 
 def save_step_checkpoint(trainer, ckpt_dir) -> None:

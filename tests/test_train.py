@@ -928,6 +928,9 @@ def test_loss_only_after_counts_just_the_following_tokens(chunk):
     assert counted == 0 and empty.item() == 0.0
     empty.backward()
     assert all(p.grad is None or not p.grad.any() for p in module.parameters())
+    module._add_to_step_loss(loss.detach(), torch.tensor(3))  # a step of two micro-batches, the second without an
+    module._add_to_step_loss(empty.detach(), counted)  # answer: train/loss is the first one's, not half of it
+    assert abs(module._step_loss().item() - loss.item()) < 1e-6
 
 
 def run_cli(args, cwd, env_extra=None, timeout=600):
