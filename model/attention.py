@@ -16,12 +16,13 @@ def full_causal_attention(q, k, v, backend: str = "auto"):
     if backend == "naive":
         return banded_attention(q, k, v, window=q.shape[2], backend="naive")
     gqa = q.shape[1] != k.shape[1]
-    if gqa and q.is_cuda and q.dtype == torch.float32:
-        # no fused CUDA kernel takes GQA in fp32: enable_gqa would fall back to the O(n^2)-memory math kernel
+    if gqa and q.device.type != "cpu":
+        # on CUDA only the flash kernel takes fewer K/V heads (not fp32, pre-Ampere GPUs, head dims > 256):
+        # elsewhere enable_gqa falls to the O(n^2)-memory math kernel, while an expanded copy keeps a fused one
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         gqa = False
-    # flash (CUDA fp16/bf16) and the CPU flash kernel read each K/V head for its group of query heads unexpanded
+    # the CPU flash kernel reads each K/V head for its group of query heads, with no expanded copy
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 

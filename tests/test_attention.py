@@ -497,16 +497,21 @@ def test_the_window_at_which_a_variant_becomes_full_attention(kind, n):
 
 
 @pytest.mark.parametrize("Hkv", [1, 2, 4])
-def test_full_attention_with_grouped_kv_heads_matches_the_reference(Hkv):
-    """SDPA reads each K/V head for its group of query heads (enable_gqa, no expanded copy): output and gradients."""
+def test_full_attention_with_grouped_kv_heads_matches_the_reference(Hkv, monkeypatch):
+    """On the CPU, SDPA reads each K/V head for its group of query heads (enable_gqa, no expanded copy): output and
+    gradients."""
     from model.attention import full_causal_attention
 
     torch.manual_seed(Hkv)
-    q = torch.randn(2, 4, 37, 16, requires_grad=True)
-    k, v = (torch.randn(2, Hkv, 37, 16, requires_grad=True) for _ in range(2))
-    ours, ref = full_causal_attention(q, k, v), full_causal_attention(q, k, v, backend="naive")
-    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    q = torch.randn(2, 4, 37, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, Hkv, 37, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    ref = full_causal_attention(q, k, v, backend="naive")
+    if Hkv < 4:
+        monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda *a, **kw: pytest.fail("K/V copied per head"))
+    ours = full_causal_attention(q, k, v)
+    monkeypatch.undo()
+    torch.testing.assert_close(ours, ref)  # fp64 tolerances: the reference computes in fp64 too
     g = torch.randn_like(ours)
     grads = torch.autograd.grad(ours, (q, k, v), g)
     for got, want in zip(grads, torch.autograd.grad(ref, (q, k, v), g)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want)
