@@ -290,8 +290,6 @@ def _write_mmlu(data_dir: Path, task_dir: Path, cache_dir: Path | None) -> tuple
         return None, f"no {test_dir}/<subject>_test.csv", []
     out = task_dir / "mmlu"
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("*.yaml"):  # rewritten below; an earlier call's subject whose file is gone must not stay
-        stale.unlink()
     tags: dict[str, list[str]] = {}
     no_fewshot: list[str] = []
     for subject in present:
@@ -313,18 +311,23 @@ def _write_mmlu(data_dir: Path, task_dir: Path, cache_dir: Path | None) -> tuple
         tags.setdefault(tag, []).append(subject)
         if "fewshot_split" not in extra:
             no_fewshot += [f"mmlu_{subject}", tag]
-    groups = []
+    groups, group_files = [], set()
     for group_file in sorted(official_dir.glob("_mmlu_*.yaml")):
         group = yaml.safe_load(group_file.read_text())
         group["task"] = [t for t in group["task"] if t in tags]
         if group["task"]:
             _write_yaml(out / group_file.name, group)
+            group_files.add(group_file.name)
             groups.append(group["group"])
             if set(group["task"]) & set(no_fewshot):
                 no_fewshot.append(group["group"])
     top = yaml.safe_load((official_dir / "_mmlu.yaml").read_text())
     top["task"] = [g for g in top["task"] if g in groups]
     _write_yaml(out / "_mmlu.yaml", top)
+    written = {f"mmlu_{s}.yaml" for s in present} | group_files | {"_mmlu.yaml"}
+    for stale in out.glob("*.yaml"):  # an earlier call's subject whose file is gone; removed after the writes, so a
+        if stale.name not in written:  # concurrent evaluation never finds the set incomplete
+            stale.unlink(missing_ok=True)
     note = "" if len(present) == len(subjects) else f"mmlu: {len(present)}/{len(subjects)} subjects found in {test_dir}"
     return out / "_mmlu.yaml", note, [*dict.fromkeys(no_fewshot), *(["mmlu"] if no_fewshot else [])]
 
