@@ -333,7 +333,7 @@ class LitDecoder(L.LightningModule):
 
     def _add_to_step_loss(self, loss: torch.Tensor, count):
         """train/loss is logged once per optimizer step (on_before_optimizer_step): the mean over the targets its
-        micro-batches count, averaged over ranks. Logged per micro-batch, it was the last one of rank zero,
+        micro-batches count on every rank. Logged per micro-batch, it was the last one of rank zero,
         1/accumulation of the step's data; a plain mean of micro-batch means let data.loss_only_after's micro-batches
         without an answer (loss 0) pull it down."""
         weighted = loss * count
@@ -342,7 +342,12 @@ class LitDecoder(L.LightningModule):
         self._loss_count += 1
 
     def _step_loss(self) -> torch.Tensor:
-        return self._loss_sum / torch.as_tensor(self._loss_weight).clamp_min(1)
+        """The step's loss over the targets of every rank (ranks whose micro-batches held fewer answers weigh less)."""
+        totals = torch.stack([self._loss_sum.float(), torch.as_tensor(self._loss_weight, dtype=torch.float32,
+                                                                      device=self._loss_sum.device)])
+        if self._trainer is not None and self.trainer.world_size > 1:
+            totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        return totals[0] / totals[1].clamp_min(1)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         now = time.perf_counter()
@@ -428,7 +433,7 @@ class LitDecoder(L.LightningModule):
     def on_before_optimizer_step(self, optimizer):
         self.log("train/lr", optimizer.param_groups[0]["lr"])
         if self._loss_count:
-            self.log("train/loss", self._step_loss(), prog_bar=True, sync_dist=True)
+            self.log("train/loss", self._step_loss(), prog_bar=True)  # summed over ranks in _step_loss
             self._loss_sum, self._loss_count, self._loss_weight = None, 0, 0
 
 

@@ -3,6 +3,7 @@
 import contextlib
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -1003,6 +1004,8 @@ def test_ddp_on_two_cpu_processes(tmp_path, corpus_file, data_cache):
     assert ckpt["global_step"] == 4
     tokens = read_metrics(run_dir)["train/tokens"]
     assert tokens[max(tokens)] == 4 * 2 * 4 * 64  # steps x world size x batch x seq_len
+    losses = read_metrics(run_dir)["train/loss"]  # summed over both ranks' targets every step
+    assert len(losses) == 4 and all(math.isfinite(v) and 0 < v < 10 for v in losses.values())
 
 
 def test_multirun_runs_one_job_per_variant(tmp_path, corpus_file, data_cache):
