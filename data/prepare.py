@@ -154,17 +154,19 @@ def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
     if (root / "meta.json").is_file():
         return _cached(cfg, root)
     root.parent.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(root.parent / f".{root.name}.lock", f"another process is preparing {root}; waiting") as locked:
+    with exclusive_lock(root.parent / f".{root.name}.lock", f"another process is preparing {root}; waiting"):
         if (root / "meta.json").is_file():  # built while we waited
             return _cached(cfg, root)
         try:
             with tokenizer_threads():
                 return _build(cfg, root, progress)
-        except shards.ShardError:
-            # unlocked, a builder that finished first removed the validation parts this one resumed through: its
-            # folder holds the same tokens
-            if locked or not (root / "meta.json").is_file():
+        except (shards.ShardError, FileNotFoundError):
+            # without a lock (or one local to a node), a builder that finished first removed the validation parts
+            # this one resumed through: its folder holds the same tokens
+            if not (root / "meta.json").is_file():
                 raise
+            for leftover in [root / PROGRESS, *root.glob("val_part_*.bin")]:  # what this one wrote after the other
+                leftover.unlink(missing_ok=True)  # finished: no builder reads them once meta.json is there
             return _cached(cfg, root)
 
 
@@ -238,20 +240,19 @@ def _started(root: Path) -> bool:
 
 @contextmanager
 def exclusive_lock(path: Path, waiting_message: str):
-    """An flock on `path` (released by the kernel if the holder dies, so a crash never leaves it stuck); yields
-    whether it is held. Where there is no flock (Windows, a file system mounted without it) it warns and goes on
-    unlocked: the writes are atomic and the same bytes whoever writes them, so concurrent builders repeat work, and
-    the caller must accept that another one may finish (and clean up) first."""
+    """An flock on `path` (released by the kernel if the holder dies, so a crash never leaves it stuck). Where
+    there is no flock (Windows, a file system mounted without it) it warns and goes on unlocked: the writes are
+    atomic and the same bytes whoever writes them, so concurrent builders repeat work, and the caller must accept
+    that another one may finish (and clean up) first."""
     try:
         import fcntl
 
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # NFS grants an exclusive flock only to a writer
     except (ImportError, OSError) as err:
         say(f"warning: no lock at {path} ({err}); concurrent runs may repeat this work")
-        yield False
+        yield
         return
     try:
-        locked = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -259,8 +260,7 @@ def exclusive_lock(path: Path, waiting_message: str):
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as err:  # ENOLCK / EOPNOTSUPP: the file system has no flock
             say(f"warning: cannot lock {path} ({err}); concurrent runs may repeat this work")
-            locked = False
-        yield locked
+        yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
 

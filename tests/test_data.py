@@ -389,7 +389,7 @@ def test_without_flock_a_builder_overtaken_by_another_returns_its_data(tmp_path,
 
     @contextmanager
     def no_flock(path, waiting_message):  # what exclusive_lock yields where flock fails with ENOLCK / EOPNOTSUPP
-        yield False
+        yield
 
     monkeypatch.setattr(prep, "exclusive_lock", no_flock)
     cfg = data_cfg([corpus_file], tokenizer={"path": None, "vocab_size": 300, "train_chars": 20_000},
@@ -406,6 +406,7 @@ def test_without_flock_a_builder_overtaken_by_another_returns_its_data(tmp_path,
     late = prepare(cfg, tmp_path, progress=False)
     assert overtaken and late.root == overtaken[0].root and late.meta["tokens"] == overtaken[0].meta["tokens"]
     np.testing.assert_array_equal(shards.read_shard(late.val_shard), shards.read_shard(overtaken[0].val_shard))
+    assert sorted(p.name for p in late.root.iterdir()) == ["meta.json", "tokenizer.json", "train_000.bin", "val.bin"]
 
 
 def test_windows_are_deterministic_by_seed_index_rank(tmp_path, corpus_file):
@@ -719,12 +720,15 @@ def test_a_local_hf_dataset_folder_may_be_named_from_home(tmp_path, monkeypatch)
     assert list(hub_documents("~/corpus", None, "train", "text")) == ["a document from home"]
 
 
-def test_a_folder_of_files_leaves_out_what_is_not_corpus(tmp_path):
+def test_a_folder_of_files_leaves_out_what_is_not_corpus(tmp_path, capsys):
     from data.sources import resolve_files
 
     for name in ("a.jsonl", "README.txt", "LICENSE", "notes.md", "MANIFEST.tsv", "p.jsonl.spec.json", ".hidden.txt"):
         (tmp_path / name).write_text(json.dumps({"text": "x"}) + "\n")
     assert resolve_files([str(tmp_path)]) == [str(tmp_path / "a.jsonl")]
+    assert resolve_files([str(tmp_path)]) == [str(tmp_path / "a.jsonl")]
+    said = capsys.readouterr().err
+    assert said.count("left out of") == 1 and "README.txt" in said and "p.jsonl.spec.json" in said  # said once
     assert resolve_files([str(tmp_path / "README.txt")]) == [str(tmp_path / "README.txt")]  # named, it is read
 
 
