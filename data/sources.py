@@ -69,9 +69,9 @@ def _builder(path: str) -> str:
 _SAID: set[str] = set()
 
 
-def _say_once(text: str, when: list) -> None:
+def _say_once(text: str) -> None:
     """resolve_files runs for the cache key, the checks and the reading: one note per process, not three."""
-    if when and text not in _SAID:
+    if text not in _SAID:
         from tools.runlog import say
 
         _SAID.add(text)
@@ -99,11 +99,12 @@ def resolve_files(paths) -> list[str]:
         elif os.path.isdir(pattern):
             matches = sorted(p for p in glob.glob(os.path.join(glob.escape(pattern), "**", "*"), recursive=True)
                              if os.path.isfile(p))
-            left_out = [p for p in matches if _not_a_corpus_file(Path(p))]
+            left_out = {p for p in matches if _not_a_corpus_file(Path(p))}
             matches = [p for p in matches if p not in left_out]
-            _say_once(f"data: left out of {pattern}: {', '.join(os.path.relpath(p, pattern) for p in left_out)} "
-                      "(docs, licences, hidden files, probe sidecars); name a file in data.source.paths to read it",
-                      [p for p in left_out if not Path(p).name.startswith(".")])
+            if any(not Path(p).name.startswith(".") for p in left_out):  # hidden files go unsaid
+                names = ", ".join(sorted(os.path.relpath(p, pattern) for p in left_out))
+                _say_once(f"data: left out of {pattern}: {names} (docs, licences, hidden files, probe sidecars); "
+                          "name a file in data.source.paths to read it")
         else:
             matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))  # not folders
         if not matches:
