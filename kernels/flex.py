@@ -166,9 +166,15 @@ def _bucket(n: int) -> int:
     return max(BLOCK_SIZE, 1 << (n - 1).bit_length())
 
 
-# Distinct lengths, head counts, dtypes and mask kinds each compile once; dynamo's default of 8 per function would
-# otherwise turn later calls into eager flex silently (the full n x n scores).
-_CPU_RECOMPILE_LIMIT = 64
+# Distinct lengths (CPU), head counts, dtypes, mask kinds and grad modes each compile once. Past dynamo's default of
+# 8 per function later calls ran eager flex silently, with the full n x n scores (a 64 GiB allocation at n=32768 in
+# the GPU benchmark of 2026-12-04): allow more, and past that fail loudly (_recompile_budget).
+RECOMPILE_LIMIT = 64
+
+
+def _recompile_budget():
+    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)  # a user's higher limit stands
+    return torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True)
 
 
 def _cpu_compiled(fn, q, k, v, left: int, right: int, pos, scale: float, enable_gqa: bool) -> torch.Tensor:
@@ -181,8 +187,7 @@ def _cpu_compiled(fn, q, k, v, left: int, right: int, pos, scale: float, enable_
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, n_run - n)) for t in (q, k, v))
         pos = None if pos is None else _pad_positions(pos, n_run)
     block_mask = _block_mask(n_run, left, right, pos, str(q.device))
-    with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, _CPU_RECOMPILE_LIMIT)):
-        out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     return out[:, :, :n]
 
 
@@ -219,10 +224,22 @@ def flex_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None,
     enable_gqa = Hq != k.shape[1]
     fn = _flex_fn(compiled, q.device.type)
     try:
-        if fn is flex_attention or q.device.type != "cpu":
+        if fn is flex_attention:
             out = fn(q, k, v, block_mask=_block_mask(n, left, right, perm, device), scale=scale, enable_gqa=enable_gqa)
         else:
-            out = _cpu_compiled(fn, q, k, v, left, right, perm, scale, enable_gqa)
+            with _recompile_budget():
+                if q.device.type != "cpu":
+                    out = fn(q, k, v, block_mask=_block_mask(n, left, right, perm, device), scale=scale,
+                             enable_gqa=enable_gqa)
+                else:
+                    out = _cpu_compiled(fn, q, k, v, left, right, perm, scale, enable_gqa)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+        raise RuntimeError(
+            f"attention backend 'flex': torch.compile(flex_attention) reached its limit of "
+            f"{max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)} compiled variants (one per length on CPU, "
+            "head count, dtype, mask kind and grad mode); beyond it flex would run eager and materialise the n x n "
+            "scores. Raise torch._dynamo.config.recompile_limit, or use backend='triton' (CUDA) / 'torch' (CPU)"
+        ) from err
     except Exception as err:  # noqa: BLE001 - only a failed CPU compile is recovered, everything else re-raises
         if fn is flex_attention or q.device.type != "cpu":
             raise

@@ -139,6 +139,19 @@ def test_compiled_matches_naive(kf):
             assert rel_err(out, naive_banded_attention(q, k, v, left, right, perm)) <= TOL, n
 
 
+def test_past_the_recompile_limit_flex_fails_loudly(kf, monkeypatch):
+    """Past dynamo's recompile limit compiled flex used to run eager silently (n x n scores: 64 GiB at n=32768 on the
+    GPU); now it says so. A limit of 1 and two mask kinds (SWA, then SA at a new head dim) pass it for sure."""
+    monkeypatch.setattr(kf, "RECOMPILE_LIMIT", 1)
+    with torch._dynamo.config.patch(recompile_limit=1), \
+            pytest.raises(RuntimeError, match="flex.*compiled variants.*recompile_limit"):
+        for kind in ("none", "shared"):
+            q, k, v, perm = make_case(1, 2, 2, 40, 8, kind, seed=3)
+            left, right = default_band(16, perm is not None)
+            kf.flex_banded_attention(q, k, v, left, right, perm, compiled=True)
+    assert not kf._compile_failed  # not taken for a failed compile (that would turn eager for the whole process)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="flex has a backward on CUDA only")
 @pytest.mark.parametrize("kind", ["none", "batch"])
 def test_cuda_gradients_match_naive(kf, kind):
