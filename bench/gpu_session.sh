@@ -6,9 +6,9 @@
 # On a lent machine whose $OUT comes back, with a baseline for the A/B stage (run only if time is left):
 #     D=$OUT; OUT=/tmp/gs PACK=$D/gpu_session.tgz BASELINE=.baseline bash bench/gpu_session.sh 2>&1 | tee $D/stdout.log
 # Stages run in the order of what the issue's GPU targets need: tests, attention (Triton vs SDPA), flex, model;
-# then B=8, CUDA graphs, the compiler's view, host cost, A/B, the autotuned split A/B, compiled model, recompute,
-# optimizer, all kernel tests. STAGES="split compiled recompute optimizer" runs only those (a later lease need not
-# repeat what an earlier one measured).
+# then B=8, CUDA graphs, the compiler's view, host cost, profile, A/B, the autotuned split A/B, compiled model,
+# recompute, optimizer, all kernel tests. STAGES="split compiled recompute optimizer" runs only those (a later lease
+# need not repeat what an earlier one measured).
 # Each has its own time limit, cut to what is left before DEADLINE, so a slow stage cannot starve the ones after it
 # by more than its limit. The limits are sized from Triton 3.6 compile times measured for sm_90 without a GPU:
 # autotuning compiles 25 configs per pi/no-pi variant (~55 s for both, once per specialisation; later n only
@@ -38,6 +38,10 @@ fresh() {
 # STAGES="split compiled recompute": run only the stages named (as the "==" lines name them); default: all, in order
 STAGES=${STAGES:-all}
 want() { [ "$STAGES" = all ] || [[ " $STAGES " == *" $1 "* ]]; }
+KNOWN="tests attention flex model b8 graphs schedule host profile ab split compiled recompute optimizer tests-all"
+for stage in $STAGES; do  # a misspelt name would run nothing and say nothing
+    [ "$stage" = all ] || [[ " $KNOWN " == *" $stage "* ]] || { echo "unknown stage '$stage'; stages: $KNOWN"; exit 2; }
+done
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:tests HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
@@ -47,60 +51,68 @@ if [ -n "${BASELINE:-}" ] && [ ! -d "$BASELINE/kernels" ]; then
 fi
 
 if want tests; then
-# -v: under xdist a run stopped at its limit prints no summary; the per-test lines say what passed
-echo "== tests: the GPU-only kernel tests (bf16 long sequences, head dims 32-256, the torch backend on CUDA, bitwise"
-echo "   deterministic backward), one pinned config"
-SA_TRITON_AUTOTUNE=0 timeout "$(lim "${TEST_TIMEOUT:-100}")" $PY -m pytest -v -k "gpu or deterministic" \
-    -n "${TEST_WORKERS:-12}" -o addopts="" tests/test_kernels_triton.py \
-    tests/test_attention.py::test_torch_backend_on_cuda_matches_the_reference > "$OUT/tests.log" 2>&1
-status tests $?; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/tests.log" | tail -20
+    # -v: under xdist a run stopped at its limit prints no summary; the per-test lines say what passed
+    echo "== tests: the GPU-only kernel tests (bf16 long sequences, head dims 32-256, the torch backend on CUDA,"
+    echo "   bitwise deterministic backward), one pinned config"
+    SA_TRITON_AUTOTUNE=0 timeout "$(lim "${TEST_TIMEOUT:-100}")" $PY -m pytest -v -k "gpu or deterministic" \
+        -n "${TEST_WORKERS:-12}" -o addopts="" tests/test_kernels_triton.py \
+        tests/test_attention.py::test_torch_backend_on_cuda_matches_the_reference > "$OUT/tests.log" 2>&1
+    status tests $?; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/tests.log" | tail -20
 fi
 
 if want attention; then
-started; echo "== attention: bf16, B=1 H=16 D=64 w=256, n=2048..32768, Triton vs SDPA"
-timeout "$(lim "${BENCH_TIMEOUT:-200}")" $PY -m bench.attention --backends triton --out "$RES" 2>&1 \
-    | tee "$OUT/bench.log" | grep -v "^n="; status attention "${PIPESTATUS[0]}"
-fresh "$RES"
+    started; echo "== attention: bf16, B=1 H=16 D=64 w=256, n=2048..32768, Triton vs SDPA"
+    timeout "$(lim "${BENCH_TIMEOUT:-200}")" $PY -m bench.attention --backends triton --out "$RES" 2>&1 \
+        | tee "$OUT/bench.log" | grep -v "^n="; status attention "${PIPESTATUS[0]}"
+    fresh "$RES"
 fi
 
 if want flex; then
-# flex's correctness gate checks its gradients on the GPU too; torch.compile of flex per mask kind and length
-started; echo "== flex: FlexAttention SA/SWA, the peer the Triton kernels must beat"
-timeout "$(lim "${FLEX_TIMEOUT:-100}")" $PY -m bench.attention --backends flex --n 2048 8192 32768 \
-    --out "$RES/flex" 2>&1 | tee "$OUT/bench_flex.log" | grep -v "^n="; status flex "${PIPESTATUS[0]}"
-fresh "$RES/flex"
+    # flex's correctness gate checks its gradients on the GPU too; torch.compile of flex per mask kind and length
+    started; echo "== flex: FlexAttention SA/SWA, the peer the Triton kernels must beat"
+    timeout "$(lim "${FLEX_TIMEOUT:-100}")" $PY -m bench.attention --backends flex --n 2048 8192 32768 \
+        --out "$RES/flex" 2>&1 | tee "$OUT/bench_flex.log" | grep -v "^n="; status flex "${PIPESTATUS[0]}"
+    fresh "$RES/flex"
 fi
 
 if want model; then
-echo "== model: 360M decoder, B=8, n=2048, bf16 autocast, fwd+bwd per variant"
-timeout "$(lim "${MODEL_TIMEOUT:-45}")" $PY -m bench.model --model 360m --batch 8 --out "$OUT" 2>&1 \
-    | tee "$OUT/model.log" | grep -v "^{"; status model "${PIPESTATUS[0]}"
+    echo "== model: 360M decoder, B=8, n=2048, bf16 autocast, fwd+bwd per variant"
+    timeout "$(lim "${MODEL_TIMEOUT:-45}")" $PY -m bench.model --model 360m --batch 8 --out "$OUT" 2>&1 \
+        | tee "$OUT/model.log" | grep -v "^{"; status model "${PIPESTATUS[0]}"
 fi
 
 if want b8; then
-# B x heads is part of the tuning key: this batch tunes its own tiles (benchmarking the binaries compiled above)
-started; echo "== b8: attention at the paper-like batch, B=8 H=16 D=64 w=256 (Triton vs SDPA)"
-timeout "$(lim "${BENCH_B8_TIMEOUT:-45}")" $PY -m bench.attention --batch 8 --n 2048 8192 --backends triton \
-    --out "$RES/b8" 2>&1 | tee "$OUT/bench_b8.log" | grep -v "^n="; status b8 "${PIPESTATUS[0]}"
-fresh "$RES/b8"
+    # B x heads is part of the tuning key: this batch tunes its own tiles (benchmarking the binaries compiled above)
+    started; echo "== b8: attention at the paper-like batch, B=8 H=16 D=64 w=256 (Triton vs SDPA)"
+    timeout "$(lim "${BENCH_B8_TIMEOUT:-45}")" $PY -m bench.attention --batch 8 --n 2048 8192 --backends triton \
+        --out "$RES/b8" 2>&1 | tee "$OUT/bench_b8.log" | grep -v "^n="; status b8 "${PIPESTATUS[0]}"
+    fresh "$RES/b8"
 fi
 
 if want graphs; then
-started; echo "== graphs: GPU time alone (calls replayed from a CUDA graph: no host launch cost, a warm L2)"
-timeout "$(lim "${GRAPHS_TIMEOUT:-45}")" $PY -m bench.attention --graphs --n 2048 8192 32768 --backends triton \
-    --out "$RES/graphs" 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^n="; status graphs "${PIPESTATUS[0]}"
-fresh "$RES/graphs"
+    started; echo "== graphs: GPU time alone (calls replayed from a CUDA graph: no host launch cost, a warm L2)"
+    timeout "$(lim "${GRAPHS_TIMEOUT:-45}")" $PY -m bench.attention --graphs --n 2048 8192 32768 --backends triton \
+        --out "$RES/graphs" 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^n="; status graphs "${PIPESTATUS[0]}"
+    fresh "$RES/graphs"
 fi
 
 if want schedule; then
-echo "== schedule: what this Triton version's compiler makes of the kernels (pipeline depth, registers; no launch)"
-timeout "$(lim 25)" $PY -m bench.kernel_schedule 2>&1 | tee "$OUT/kernel_schedule.log"
-status schedule "${PIPESTATUS[0]}"
+    echo "== schedule: what this Triton version's compiler makes of the kernels (pipeline depth, registers; no launch)"
+    timeout "$(lim 25)" $PY -m bench.kernel_schedule 2>&1 | tee "$OUT/kernel_schedule.log"
+    status schedule "${PIPESTATUS[0]}"
 fi
 
 if want host; then
-echo "== host: host cost of the Triton wrapper per call (launches stubbed; this machine's CPU)"
-timeout "$(lim 15)" $PY -m bench.host_overhead 2>&1 | tee "$OUT/host.log"; status host "${PIPESTATUS[0]}"
+    echo "== host: host cost of the Triton wrapper per call (launches stubbed; this machine's CPU)"
+    timeout "$(lim 15)" $PY -m bench.host_overhead 2>&1 | tee "$OUT/host.log"; status host "${PIPESTATUS[0]}"
+fi
+
+# 2026-12-04: Triton's B=1 rows up to n=16384 took 2-3x their 2026-11-30 times (SA forward at n=2048 0.142 against
+# 0.054 ms) while their GPU time is microseconds: where one call's host time goes
+if want profile; then
+    echo "== profile: kernel vs host time of one call (torch.profiler, cProfile), n=2048 and 32768"
+    timeout "$(lim "${PROFILE_TIMEOUT:-60}")" $PY -m bench.profile_gpu --n 2048 32768 2>&1 | tee "$OUT/profile.log"
+    status profile "${PIPESTATUS[0]}"
 fi
 
 # A kernel change measured side by side: BASELINE names a folder holding an earlier kernels/ (this tree's bench
@@ -130,7 +142,7 @@ fi
 
 # The pinned-config A/B above compares kernels at one tile shape; whether the split loops pay once each side picks its
 # own tiles needs autotuning on both sides (2026-12-04: 55 s per side was not enough to finish tuning at n=32768)
-if want split && left 120; then
+if want split && left 240; then  # time for both sides, or the A/B is one-sided
     echo "== split: autotuned A/B, one masked loop (SA_TRITON_SPLIT=0) against the split loops (1), n=32768"
     for s in 0 1; do
         SA_TRITON_SPLIT=$s timeout "$(lim "${SPLIT_TIMEOUT:-120}")" $PY -m bench.attention --n 32768 --backends triton \
@@ -140,24 +152,24 @@ if want split && left 120; then
 fi
 
 if want compiled; then
-echo "== compiled: whole model with compiled blocks (trainer.compile), gated SA+SWA; its eager time is stage model's"
-timeout "$(lim "${MODEL_COMPILE_TIMEOUT:-90}")" $PY -m bench.model --model 360m --batch 8 --variants gated_sa_swa \
-    --compiled-only --out "$OUT/compiled" 2>&1 | tee "$OUT/model_compiled.log" | grep -v "^{"
-status compiled "${PIPESTATUS[0]}"
+    echo "== compiled: whole model with compiled blocks (trainer.compile), gated SA+SWA; eager: stage model's time"
+    timeout "$(lim "${MODEL_COMPILE_TIMEOUT:-150}")" $PY -m bench.model --model 360m --batch 8 --variants gated_sa_swa \
+        --compiled-only --out "$OUT/compiled" 2>&1 | tee "$OUT/model_compiled.log" | grep -v "^{"
+    status compiled "${PIPESTATUS[0]}"
 fi
 
 if want recompute; then
-echo "== recompute: activation checkpointing and the chunked loss (trainer.activation_checkpointing,"
-echo "   trainer.loss_chunk_tokens): 360M SA, B=8, step time and peak memory"
-timeout "$(lim "${RECOMPUTE_TIMEOUT:-50}")" $PY -m bench.model --model 360m --batch 8 --variants sa --recompute \
-    --loss-chunk 8192 --out "$OUT/recompute" 2>&1 | tee "$OUT/model_recompute.log" | grep -v "^{"
-status recompute "${PIPESTATUS[0]}"
+    echo "== recompute: activation checkpointing and the chunked loss (trainer.activation_checkpointing,"
+    echo "   trainer.loss_chunk_tokens): 360M SA, B=8, step time and peak memory"
+    timeout "$(lim "${RECOMPUTE_TIMEOUT:-50}")" $PY -m bench.model --model 360m --batch 8 --variants sa --recompute \
+        --loss-chunk 8192 --out "$OUT/recompute" 2>&1 | tee "$OUT/model_recompute.log" | grep -v "^{"
+    status recompute "${PIPESTATUS[0]}"
 fi
 
 if want optimizer; then
-echo "== optimizer: the 360M model's optimizer step, torch's default AdamW (foreach) against the fused one"
-timeout "$(lim "${OPTIMIZER_TIMEOUT:-20}")" $PY -m bench.optimizer --model 360m 2>&1 | tee "$OUT/optimizer.log"
-status optimizer "${PIPESTATUS[0]}"
+    echo "== optimizer: the 360M model's optimizer step, torch's default AdamW (foreach) against the fused one"
+    timeout "$(lim "${OPTIMIZER_TIMEOUT:-20}")" $PY -m bench.optimizer --model 360m 2>&1 | tee "$OUT/optimizer.log"
+    status optimizer "${PIPESTATUS[0]}"
 fi
 
 if want tests-all && left 30; then

@@ -172,9 +172,22 @@ def _bucket(n: int) -> int:
 RECOMPILE_LIMIT = 64
 
 
+# torch < 2.7 spells these "cache" instead of "recompile"
+_LIMIT_KEY, _FAIL_KEY = (("recompile_limit", "fail_on_recompile_limit_hit")
+                         if hasattr(torch._dynamo.config, "recompile_limit")
+                         else ("cache_size_limit", "fail_on_cache_limit_hit"))
+_LimitHit = (getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None)
+             or getattr(torch._dynamo.exc, "FailOnCacheLimitHit", None)
+             or type("_NeverRaised", (Exception,), {}))  # a torch without the flag runs eager past the limit
+
+
+def _recompile_limit() -> int:
+    return max(getattr(torch._dynamo.config, _LIMIT_KEY), RECOMPILE_LIMIT)  # a user's higher limit stands
+
+
 def _recompile_budget():
-    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)  # a user's higher limit stands
-    return torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True)
+    fail = {_FAIL_KEY: True} if hasattr(torch._dynamo.config, _FAIL_KEY) else {}
+    return torch._dynamo.config.patch(**{_LIMIT_KEY: _recompile_limit()}, **fail)
 
 
 def _cpu_compiled(fn, q, k, v, left: int, right: int, pos, scale: float, enable_gqa: bool) -> torch.Tensor:
@@ -233,12 +246,12 @@ def flex_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None,
                              enable_gqa=enable_gqa)
                 else:
                     out = _cpu_compiled(fn, q, k, v, left, right, perm, scale, enable_gqa)
-    except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+    except _LimitHit as err:
         raise RuntimeError(
-            f"attention backend 'flex': torch.compile(flex_attention) reached its limit of "
-            f"{max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)} compiled variants (one per length on CPU, "
-            "head count, dtype, mask kind and grad mode); beyond it flex would run eager and materialise the n x n "
-            "scores. Raise torch._dynamo.config.recompile_limit, or use backend='triton' (CUDA) / 'torch' (CPU)"
+            f"attention backend 'flex': torch.compile(flex_attention) reached its limit of {_recompile_limit()} "
+            "compiled variants (one per length on CPU, head count, dtype, mask kind and grad mode); beyond it flex "
+            f"would run eager and materialise the n x n scores. Raise torch._dynamo.config.{_LIMIT_KEY}, or use "
+            "backend='triton' (CUDA) / 'torch' (CPU)"
         ) from err
     except Exception as err:  # noqa: BLE001 - only a failed CPU compile is recovered, everything else re-raises
         if fn is flex_attention or q.device.type != "cpu":
