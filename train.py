@@ -89,8 +89,12 @@ def check_config(cfg: DictConfig):
         from evaluation.runner import check_task_names
 
         check_task_names(OmegaConf.to_container(cfg.eval, resolve=True)["tasks"])
-    if cfg.trainer.strategy not in ("auto", "ddp", "fsdp", "ddp_spawn"):
-        raise ConfigError("trainer.strategy", cfg.trainer.strategy, "choose auto, ddp, fsdp or ddp_spawn")
+    if cfg.trainer.strategy == "ddp_spawn":  # its workers hand no loop state back to this process
+        raise ConfigError("trainer.strategy", cfg.trainer.strategy, "not supported: the spawned workers return no "
+                          "step count, so the final checkpoint and validation would be skipped and a resume cannot be "
+                          "pickled; use ddp (one run at a time for multi-device sweeps, see tools/README.md)")
+    if cfg.trainer.strategy not in ("auto", "ddp", "fsdp"):
+        raise ConfigError("trainer.strategy", cfg.trainer.strategy, "choose auto, ddp or fsdp")
     from tools.guards import refuse_multirun_ddp
 
     refuse_multirun_ddp(cfg)  # Hydra multirun + subprocess DDP re-runs the sweep on every rank: refuse up front
@@ -620,9 +624,10 @@ def _resume_sampling(cfg, module, source: dict, overrides: list[str] | None, con
 
 
 RUN_OVERRIDES = "overrides.yaml"  # the run's own record: Hydra's .hydra/overrides.yaml is rewritten at every start
-# what a resume does not take from the run's record: how this start resumes, and init_from (used at the first start
-# only; the checkpoints record it, and its source may have moved since)
-NOT_CARRIED = ("resume", "ckpt_path", "init_from", "prepare_only")
+# what a resume does not take from the run's record: how this start resumes. init_from is carried unless this start
+# names its checkpoint (ckpt_path): a resume before the run's first checkpoint starts it again from init_from's
+# weights, and a resume from one ignores it (train.py loads the checkpoint; a source moved since is no error then)
+NOT_CARRIED = ("resume", "ckpt_path", "prepare_only")
 
 
 def _override_key(override: str) -> tuple[str, str]:
@@ -654,7 +659,8 @@ def _with_run_overrides(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     for override in OmegaConf.to_container(OmegaConf.load(run_dir / RUN_OVERRIDES)):
         key, prefix = _override_key(override)
         # an addition (+key=..., ++key=...) stays when today's sets or deletes the key: that needs it added first
-        if key not in NOT_CARRIED and (key not in given or (prefix in ("+", "++") and given[key] in ("", "~"))):
+        carried = key not in NOT_CARRIED and not (key == "init_from" and cfg.ckpt_path)
+        if carried and (key not in given or (prefix in ("+", "++") and given[key] in ("", "~"))):
             earlier.append(override)
     if not earlier:
         return cfg, today
@@ -730,7 +736,9 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
         try:
             init = str(find_checkpoint(cfg.init_from))
         except FileNotFoundError as err:
-            raise ConfigError("init_from", cfg.init_from, str(err)) from None
+            again = ("; this run was started from it and has no checkpoint of its own yet: give init_from=<where it "
+                     "is now>") if cfg.resume == "auto" else ""
+            raise ConfigError("init_from", cfg.init_from, f"{err}{again}") from None
     source = _checkpoint_meta(ckpt or init)
     if not prepare_only:  # built before the (possibly long) preparation: its size is printed first
         L.seed_everything(cfg.seed, workers=True, verbose=False)

@@ -30,14 +30,18 @@ def _header_for_appending(path: Path) -> list[str]:
         return []
     header = rows[0]
     if complete != text or header != sorted(header):
-        records = list(csv.DictReader(io.StringIO(complete)))
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=sorted(header))
-            writer.writeheader()
-            writer.writerows(records)
-        os.replace(tmp, path)
+        _write_rows(path, sorted(header), list(csv.DictReader(io.StringIO(complete))))
     return sorted(header)
+
+
+def _write_rows(path: Path, fieldnames: list[str], records: list[dict]) -> None:
+    """The whole file anew, atomically: a kill mid-write leaves the old file, not a truncated history."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fieldnames)
+        writer.writeheader()
+        writer.writerows(records)
+    os.replace(tmp, path)
 
 
 class _AppendingWriter(ExperimentWriter):
@@ -47,6 +51,19 @@ class _AppendingWriter(ExperimentWriter):
         path = Path(self.metrics_file_path)
         if path.is_file() and path.stat().st_size:
             self.metrics_keys = _header_for_appending(path)
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        # a new column (the eval/* scores at the end of every run, say) rewrites every row: Lightning's version
+        # truncates the file first, so a kill or a full disk then lost the run's whole history
+        path = Path(self.metrics_file_path)
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            records = list(reader)
+        try:
+            _write_rows(path, fieldnames, records)
+        except BaseException:
+            self.metrics_keys = list(reader.fieldnames or [])  # the file's columns: the next save rewrites again
+            raise
 
 
 class RunCSVLogger(CSVLogger):

@@ -124,6 +124,7 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("data.seq_len=32.5", "data.seq_len"),
         ("data.val_fraction=abc", "data.val_fraction"),
         ("seed=-1", "seed"),
+        ("trainer.strategy=ddp_spawn", "trainer.strategy"),  # its workers return no step: the last save was skipped
         ("seed=abc", "seed"),
         ("data.tokenizer.vocab_size=600", "model.vocab_size"),  # tiny's 512: refused after tokenizing the corpus
         *([("trainer.devices=[0]", "trainer.devices")] if not torch.cuda.is_available() else []),

@@ -575,6 +575,30 @@ def test_metrics_csv_is_appended_on_resume(tmp_path):
     assert (fresh / "metrics.csv").read_text().splitlines()[0] == "step,train/loss"
 
 
+def test_a_new_metrics_column_rewrites_the_file_atomically(tmp_path, monkeypatch):
+    """A new column rewrites every row (the eval/* scores at the end of each run): a failure mid-way (a full disk, a
+    kill) must leave the history as it was; Lightning's own rewrite truncated the file first."""
+    from model.csv_log import RunCSVLogger
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,train/loss\n0,5.0\n1,4.5\n")
+    logger = RunCSVLogger(tmp_path)
+    logger.log_metrics({"eval/wikitext_ppl": 30.0}, step=2)
+
+    def disk_full(self, rows):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", disk_full)
+    with pytest.raises(OSError):
+        logger.save()
+    assert path.read_text() == "step,train/loss\n0,5.0\n1,4.5\n"
+    monkeypatch.undo()
+    logger.save()
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["step"], r["train/loss"], r["eval/wikitext_ppl"]) for r in rows] == [
+        ("0", "5.0", ""), ("1", "4.5", ""), ("2", "", "30.0")]
+
+
 def test_final_weights_are_validated_when_the_last_step_is_not_a_validation_step(tmp_path, corpus_file, data_cache):
     cfg = compose_train(TINY + ["attention=sa", "attention.window=8", "trainer.max_steps=3",
                                 "trainer.val_every_n_steps=2"], tmp_path, corpus_file, data_cache)
@@ -975,7 +999,7 @@ def test_a_bare_resume_continues_the_run_with_its_own_overrides(tmp_path, corpus
     assert "val loss      :" in log and "[bold]" not in log
     assert "UserWarning: resuming with a config that differs from the checkpoint's" in log  # a warning, logged too
     assert " documents) in " in log  # the data line says how many documents validation holds
-    # a run started from another's weights resumes without them: init_from is not carried (its source has moved)
+    # a run started from another's weights resumes from its own checkpoint: a source moved since is no error
     second = tmp_path / "second"
     started = run_cli(cli_tiny(corpus_file, data_cache) + ["attention=gated_sa_swa", "attention.window=8",
                                                           "trainer.max_steps=2", "logger=csv", "eval.after_train=false",
@@ -985,13 +1009,18 @@ def test_a_bare_resume_continues_the_run_with_its_own_overrides(tmp_path, corpus
     resumed = run_cli([f"hydra.run.dir={second}", "resume=auto", "trainer.max_steps=3"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
-    # killed before its first checkpoint: resume=auto starts it again as it was started, not as the defaults
+    # killed before its first checkpoint: resume=auto starts it again as it was started, not as the defaults, and
+    # from init_from's weights, not random ones; a source that has moved since is asked for, not left out
     for path in (second / "checkpoints").iterdir():
         path.unlink()
-    again = run_cli([f"hydra.run.dir={second}", "resume=auto", "trainer.max_steps=1"], cwd=tmp_path)
+    lost = run_cli([f"hydra.run.dir={second}", "resume=auto", "trainer.max_steps=1"], cwd=tmp_path)
+    assert lost.returncode == 2 and "init_from" in lost.stderr and "give init_from=<where it is now>" in lost.stderr
+    again = run_cli([f"hydra.run.dir={second}", "resume=auto", "trainer.max_steps=1", f"init_from={tmp_path / 'moved'}"],
+                    cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     restarted = torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
     assert restarted["attention"]["kind"] == "gated_sa_swa" and restarted["model"]["n_layers"] == 2
+    assert restarted["init_from"]["checkpoint"].startswith(str(tmp_path / "moved"))
 
 
 def test_ddp_on_two_cpu_processes(tmp_path, corpus_file, data_cache):

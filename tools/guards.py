@@ -6,7 +6,6 @@ through the jobs in lockstep (shared/docs/environment.md section 4). Supported i
   * sweeps with one device per job:   python train.py -m experiment=ablation trainer.devices=1
   * multi-device runs one at a time:
         for v in full swa sa gated_sa_swa; do python train.py attention=$v trainer=ddp; done
-  * `trainer.strategy=ddp_spawn` (no re-execution) when a sweep must use several devices per job.
 
 Where it applies:
   * train.py's check_config calls `refuse_multirun_ddp(cfg)` for every run, so every multirun is refused;
@@ -51,8 +50,8 @@ def multirun_ddp_problem(cfg, multirun: bool) -> str | None:
     return (f"Hydra multirun (-m) cannot use trainer.strategy={strategy} with {world or 'several'} processes "
             f"(trainer.devices={trainer.get('devices')}, trainer.num_nodes={trainer.get('num_nodes', 1)}): the DDP "
             "launcher re-executes the command line, so every rank would re-run the whole sweep. Run sweeps with one "
-            "device per job (trainer.devices=1, e.g. trainer=default), launch multi-device runs one at a time without "
-            "-m, or use trainer.strategy=ddp_spawn (see tools/README.md)")
+            "device per job (trainer.devices=1, e.g. trainer=default), or launch multi-device runs one at a time "
+            "without -m (see tools/README.md)")
 
 
 def is_multirun() -> bool:
