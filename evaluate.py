@@ -141,6 +141,11 @@ def exported_attention(name: str, attention: dict, given: set[str] | None = None
             print(f"eval: SA eval seed {trained['eval_seed']}, as {name} was trained (attention.eval_seed=<s> sets "
                   "another)", file=sys.stderr)
     if "kind" in attention:  # another kind, at the trained window unless one is given
+        if attention["kind"] != "full" and "window" not in attention and trained["kind"] == "full":
+            from model.config import ConfigError  # a full model's window is a placeholder (its context)
+
+            raise ConfigError("attention.window", None, f"{name} was trained with full attention, which has no "
+                              f"window: give attention.window=<w> to run it as {attention['kind']}")
         if attention["kind"] != "full" and "window" not in attention and trained["window"]:
             attention = {**attention, "window": trained["window"]}
             print(f"eval: window {trained['window']}, as {name} was trained (sa_export.json; attention.window=<w> "
@@ -202,7 +207,11 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
     from hf.patch import load_hf_model
     from model.config import ConfigError
 
-    attention = exported_attention(name, attention, given)
+    try:
+        attention = exported_attention(name, attention, given)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     kind = attention.get("kind", "full")
     if kind not in ("full", "swa", "sa", "moba"):
         print(f"error: attention.kind={kind!r} is not available for HuggingFace models (full, swa, sa, moba)",

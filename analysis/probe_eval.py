@@ -130,7 +130,10 @@ def trained_context(tokenizer, trained: dict, max_seq_len: int) -> int:
 
 def build_examples(tokenizer, task: str, num: int, context: int, seed: int, num_pairs: int, filler: str,
                    min_distance=None, max_distance=None, key_digits: int = 3, value_digits: int = 4):
-    """(prompt ids, answer ids, measured token distance) for `num` probes that fit in `context` tokens."""
+    """(prompt ids, answer ids, token distance) for `num` probes that fit in `context` tokens. The distance is what
+    the first answer token needs: from the last prompt token back to the value's FIRST token (the probe's own
+    distance counts to its last; every later answer token needs its own value token, at the same distance), so an
+    SWA stack reaches the whole value iff distance <= layers * (window - 1)."""
     from data.probes import ProbeSpec, TokenUnits, make_probe
 
     units = TokenUnits(tokenizer)
@@ -147,7 +150,7 @@ def build_examples(tokenizer, task: str, num: int, context: int, seed: int, num_
         ids = enc.ids
         if len(ids) > context or n_prompt >= len(ids):
             continue
-        examples.append((ids[:n_prompt], ids[n_prompt:], probe.distance))
+        examples.append((ids[:n_prompt], ids[n_prompt:], probe.distance + len(ids) - n_prompt - 1))
     return examples
 
 

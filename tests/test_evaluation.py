@@ -871,6 +871,30 @@ def test_gates_asked_of_an_ungated_checkpoint_are_a_config_error(tiny_ckpt):
     assert err.value.key == "attention.kind"
 
 
+def test_a_full_attention_model_run_windowed_needs_a_window(tiny_ckpt, tmp_path):
+    """A full run records its context as its window (conf/attention/full.yaml's placeholder): `attention=sa` on it
+    scored SA at w = context, silently, where training-free SA asks for a window of its own."""
+    from evaluate import exported_attention
+    from hf.export import export
+    from model.checkpoint import load_checkpoint
+    from model.config import ConfigError
+
+    ckpt = torch.load(tiny_ckpt, map_location="cpu", weights_only=True)
+    ckpt["hyper_parameters"]["attention"].update(kind="full", window=ckpt["hyper_parameters"]["model"]["max_seq_len"])
+    torch.save(ckpt, tmp_path / "full.ckpt")
+    for kind in ("sa", "swa"):
+        with pytest.raises(ConfigError, match="trained with full attention.*attention.window=<w>") as err:
+            load_checkpoint(tmp_path / "full.ckpt", {"kind": kind})
+        assert err.value.key == "attention.window"
+    assert load_checkpoint(tmp_path / "full.ckpt", {"kind": "sa", "window": 8}).model.attn_cfg.window == 8
+    assert load_checkpoint(tmp_path / "full.ckpt").model.attn_cfg.kind == "full"
+    out = export(tmp_path / "full.ckpt", tmp_path / "export")
+    preset = {"kind": "sa", "window": 32, "backend": "auto", "eval_seed": 0}  # what `attention=sa` composes
+    with pytest.raises(ConfigError, match="trained with full attention"):
+        exported_attention(str(out), preset, given={"kind"})
+    assert exported_attention(str(out), preset, given={"kind", "window"})["window"] == 32
+
+
 def test_evaluate_py_reports_a_missing_checkpoint(tmp_path):
     proc = _run([str(ROOT / "evaluate.py"), f"ckpt={tmp_path / 'nope'}", f"out_dir={tmp_path / 'o'}"], tmp_path)
     assert proc.returncode == 2 and "error: no checkpoint" in proc.stderr

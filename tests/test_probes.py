@@ -313,3 +313,9 @@ def test_token_units_and_probe_examples_ignore_a_template():
     examples = [build_examples(tok, "kv", 3, 256, seed=1, num_pairs=3, filler="sentences")
                 for tok in (plain, templated)]
     assert examples[0] == examples[1] and len(examples[0]) == 3
+    # the distance reaches the value's first token (a multi-token value's last one left SWA's reach m - 1 too short)
+    assert any(len(answer) > 1 for _, answer, _ in examples[0])
+    for prompt, answer, distance in examples[0]:
+        m = len(answer)
+        first = max(i for i in range(len(prompt) - m + 1) if prompt[i:i + m] == answer)  # the value, in the prompt
+        assert distance == len(prompt) - 1 - first, (distance, len(prompt), first)
