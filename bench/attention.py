@@ -188,11 +188,8 @@ def run(args, csv_path: Path | None = None) -> list[dict]:
                     with torch.no_grad():
                         fn(q, k, v)
 
-                def fwd_bwd():
-                    if args.graphs:  # no .grad accumulation inside the captured graph
-                        torch.autograd.grad(fn(q, k, v), (q, k, v), grad_out)
-                    else:
-                        fn(q, k, v).backward(grad_out)
+                def fwd_bwd():  # no .grad accumulation: it would add the same three in-place adds to every variant
+                    torch.autograd.grad(fn(q, k, v), (q, k, v), grad_out)
 
                 row = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                        "dtype": args.dtype, "n": n, "w": args.window, "variant": name,
