@@ -17,7 +17,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from model.config import attention_label, attention_tag
+from model.config import attention_label, attention_tag, check_window_for
 
 ROOT = Path(__file__).resolve().parent
 
@@ -141,11 +141,7 @@ def exported_attention(name: str, attention: dict, given: set[str] | None = None
             print(f"eval: SA eval seed {trained['eval_seed']}, as {name} was trained (attention.eval_seed=<s> sets "
                   "another)", file=sys.stderr)
     if "kind" in attention:  # another kind, at the trained window unless one is given
-        if attention["kind"] != "full" and "window" not in attention and trained["kind"] == "full":
-            from model.config import ConfigError  # a full model's window is a placeholder (its context)
-
-            raise ConfigError("attention.window", None, f"{name} was trained with full attention, which has no "
-                              f"window: give attention.window=<w> to run it as {attention['kind']}")
+        check_window_for(trained["kind"], attention["kind"], "window" in attention, name)
         if attention["kind"] != "full" and "window" not in attention and trained["window"]:
             attention = {**attention, "window": trained["window"]}
             print(f"eval: window {trained['window']}, as {name} was trained (sa_export.json; attention.window=<w> "

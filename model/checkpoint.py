@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from model.config import AttentionConfig, ModelConfig
+from model.config import AttentionConfig, ModelConfig, check_window_for
 from model.decoder import Decoder
 
 
@@ -72,11 +72,8 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     hp = ckpt["hyper_parameters"]
     attn = {**hp["attention"], **(attention or {})}
-    if hp["attention"].get("kind") == "full" and attn.get("kind") != "full" and "window" not in (attention or {}):
-        from model.config import ConfigError  # a full run's window is a placeholder (its context), not a choice
-
-        raise ConfigError("attention.window", None, f"checkpoint {ckpt_path} was trained with full attention, which "
-                          f"has no window: give attention.window=<w> to run it as {attn.get('kind')}")
+    check_window_for(hp["attention"].get("kind"), attn.get("kind"), "window" in (attention or {}),
+                     f"checkpoint {ckpt_path}")
     model_cfg = {**hp["model"], **({"max_seq_len": int(context)} if context else {})}
     model = Decoder(ModelConfig(**model_cfg), AttentionConfig(**attn), seed=hp.get("seed", 0))
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}

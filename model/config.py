@@ -46,6 +46,14 @@ class ConfigError(ValueError):
         self.key = key
 
 
+def check_window_for(trained_kind: str, kind: str, window_given: bool, model: str) -> None:
+    """A full-attention model records its context as its window (conf/attention/full.yaml's placeholder), not a
+    choice: running it as SWA, SA or MoBA needs a window of its own."""
+    if trained_kind == "full" and kind != "full" and not window_given:
+        raise ConfigError("attention.window", None, f"{model} was trained with full attention, which has no window: "
+                          f"give attention.window=<w> to run it as {kind}")
+
+
 @dataclass
 class AttentionConfig:
     kind: str = "full"
