@@ -4,8 +4,9 @@
     python -m bench.attention                      # on a CUDA GPU: bf16, n up to 32768, backends triton and flex
     python -m bench.attention --graphs             # GPU time alone: calls replayed from a CUDA graph
 
-Prints a markdown table with the ratios full/SA (SA's speed-up) and SA/SWA (SA's cost), writes CSV and a PNG plot
-to bench/results/.
+Prints a markdown table with the ratios full/SA (SA's speed-up) and SA/SWA (SA's cost), the peak memory and the
+attention matmuls' TFLOP/s (SA's per-FLOP efficiency against full attention's), writes CSV and a PNG plot to
+bench/results/.
 A backend whose output or gradients disagree with the dense reference on a small problem is not timed.
 """
 
@@ -192,8 +193,8 @@ def run(args, csv_path: Path | None = None) -> list[dict]:
                     torch.autograd.grad(fn(q, k, v), (q, k, v), grad_out)
 
                 row = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                       "dtype": args.dtype, "n": n, "w": args.window, "variant": name,
-                       "backend": "sdpa" if name == "full" else backend}
+                       "dtype": args.dtype, "n": n, "w": args.window, "batch": args.batch, "heads": args.heads,
+                       "head_dim": args.head_dim, "variant": name, "backend": "sdpa" if name == "full" else backend}
                 try:
                     row["fwd_ms"] = time_call(fwd, device, args.reps, graphs=args.graphs)
                     row["fwd_bwd_ms"] = (time_call(fwd_bwd, device, args.reps, (q, k, v), args.graphs)
@@ -266,9 +267,60 @@ def memory_table(rows) -> str:
     return "\n".join(lines)
 
 
+def band_pairs(n: int, left: int, right: int) -> int:
+    """(query, key) slot pairs with the key in the query's band [i - left, i + right] (within the sequence): the
+    scores a banded kernel computes. For SA about half of them fail the causal compare in original order; they are
+    masked, not skipped, so they count as work, as full attention's diagonal tiles do."""
+    i = torch.arange(n, dtype=torch.int64)
+    return int(((i + right).clamp(max=n - 1) - (i - left).clamp(min=0) + 1).sum())
+
+
+def attention_flops(variant: str, n: int, w: int, batch: int, heads: int, head_dim: int, backward: bool) -> float:
+    """Matmul FLOPs of one call, counted as FlashAttention's papers do: 4 D per scored pair forward (QK^T, PV), 3.5x
+    that forward + backward (five matmuls in the backward; this repo's kernels run seven, recomputing QK^T for dq
+    and dk/dv apart). Full attention scores the causal pairs n (n + 1) / 2."""
+    pairs = {"full": n * (n + 1) // 2,
+             "swa": band_pairs(n, *default_band(w, permuted=False)),
+             "sa": band_pairs(n, *default_band(w, permuted=True))}
+    pairs["gated_sa_swa"] = pairs["sa"] + pairs["swa"]
+    return 4.0 * head_dim * pairs[variant] * batch * heads * (3.5 if backward else 1.0)
+
+
+def rate_table(rows) -> str:
+    """Markdown: TFLOP/s of attention_flops per variant, and SA's rate as a fraction of full attention's (SDPA /
+    FlashAttention: how far SA is from the per-FLOP efficiency that full/SA = its FLOP ratio would need). Empty for
+    rows without their shape (CSVs written before 2026-12-05: bench.plot_csv takes it as options)."""
+    if not rows or any(r.get("batch") in (None, "") for r in rows):
+        return ""
+    rate = {}
+    for r in rows:
+        for metric, backward in (("fwd_ms", False), ("fwd_bwd_ms", True)):
+            if r.get(metric):
+                flops = attention_flops(r["variant"], int(r["n"]), int(r["w"]), int(r["batch"]), int(r["heads"]),
+                                        int(r["head_dim"]), backward)
+                rate[(r["n"], r["backend"], r["variant"], metric)] = flops / (r[metric] * 1e-3) / 1e12
+    lines = ["| n | backend | metric | full (SDPA) TFLOP/s | SWA | SA | gated | SA / full |",
+             "|---|---|---|---|---|---|---|---|"]
+    for n in sorted({r["n"] for r in rows}):
+        for backend in sorted({r["backend"] for r in rows if r["backend"] != "sdpa"}):
+            for metric in ("fwd_ms", "fwd_bwd_ms"):
+                full, swa, sa, gated = (rate.get((n, b, v, metric)) for b, v in (
+                    ("sdpa", "full"), (backend, "swa"), (backend, "sa"), (backend, "gated_sa_swa")))
+                if sa is None:
+                    continue
+                cells = " | ".join(_fmt(x) for x in (full, swa, sa, gated))
+                lines.append(f"| {n} | {backend} | {'fwd' if metric == 'fwd_ms' else 'fwd+bwd'} | {cells} | "
+                             f"{_fmt(sa / full if full else None, '.2f')} |")
+    return "\n".join(lines)
+
+
 def report(rows) -> str:
-    """The markdown the benchmark prints and writes: the latency ratios, then the peak memory."""
-    return f"{ratios_table(rows)}\n\nPeak memory of one call:\n\n{memory_table(rows)}"
+    """The markdown the benchmark prints and writes: the latency ratios, the peak memory, then the work rates."""
+    text = f"{ratios_table(rows)}\n\nPeak memory of one call:\n\n{memory_table(rows)}"
+    rates = rate_table(rows)
+    if rates:
+        text += f"\n\nAttention matmul work per second (bench.attention.attention_flops):\n\n{rates}"
+    return text
 
 
 def write_csv(rows, path: Path):

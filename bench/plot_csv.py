@@ -1,20 +1,25 @@
-"""Redraw the PNG plot and markdown tables (ratios, peak memory) of an attention benchmark CSV (e.g. one copied back from a GPU).
+"""Redraw the PNG plot and markdown tables (ratios, peak memory, TFLOP/s) of an attention benchmark CSV (e.g. one
+copied back from a GPU).
 
     python -m bench.plot_csv bench/results/attention_gpu_bf16.csv
+    python -m bench.plot_csv /tmp/attention_gpu_bf16_b8_h200_2026-12-04.csv --batch 8
+
+CSVs written before 2026-12-05 do not hold the batch, heads and head dim the TFLOP/s need: --batch, --heads and
+--head-dim give them (default: the benchmark's default shape, B=1 H=16 D=64); a CSV's own columns win.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
-import sys
 from pathlib import Path
 
-from bench.attention import report, save
+from bench.attention import DEFAULT_SHAPE, report, save
 
 
 def load(path: Path) -> list[dict]:
     def value(key, x):
-        if key in ("n", "w"):
+        if key in ("n", "w", "batch", "heads", "head_dim"):
             return int(x)
         if key.endswith("_ms") or key == "peak_mb":
             return float(x) if x not in ("", "None") else None
@@ -25,13 +30,13 @@ def load(path: Path) -> list[dict]:
 
 
 def main():
-    if len(sys.argv) == 2 and sys.argv[1] in ("-h", "--help"):
-        print(__doc__)
-        return
-    if len(sys.argv) != 2:
-        sys.exit(__doc__)
-    path = Path(sys.argv[1])
-    rows = load(path)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("csv", type=Path)
+    for key in ("batch", "heads", "head_dim"):
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=DEFAULT_SHAPE[key])
+    args = p.parse_args()
+    path = args.csv
+    rows = [{"batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, **row} for row in load(path)]
     tag = path.stem.removeprefix("attention_")
     save(rows, path.parent, tag)
     table = report(rows)

@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 
+import bench.attention as ba
 from bench.attention import peak_memory_mb
+from kernels import default_band
 from bench.kernel_schedule import cuobjdump_path
 from conftest import ROOT
 
@@ -35,7 +37,14 @@ def test_attention_benchmark_writes_table_csv_and_plot(tmp_path):
     assert all(float(r["fwd_ms"]) > 0 and float(r["fwd_bwd_ms"]) > 0 and float(r["peak_mb"]) > 0 for r in rows)
     assert (out / f"attention_{tag}.png").stat().st_size > 0
     table = (out / f"attention_{tag}.md").read_text()
-    assert table.count("| 64 | torch |") == 3 and table.count("| 96 | torch |") == 3  # fwd, fwd+bwd, memory
+    # fwd, fwd+bwd, memory, then fwd and fwd+bwd TFLOP/s
+    assert table.count("| 64 | torch |") == 5 and table.count("| 96 | torch |") == 5
+    rates = table.split("Attention matmul work per second")[1]
+    rate = next(line for line in rates.splitlines() if line.startswith("| 96 | torch | fwd+bwd |"))
+    row = {r["variant"]: r for r in rows if r["n"] == "96"}
+    expected = (ba.attention_flops("sa", 96, 16, 1, 2, 16, True) / float(row["sa"]["fwd_bwd_ms"])) / \
+        (ba.attention_flops("full", 96, 16, 1, 2, 16, True) / float(row["full"]["fwd_bwd_ms"]))
+    assert float(rate.split("|")[-2]) == pytest.approx(expected, abs=0.006)
 
 
 def test_model_benchmark_times_each_variant_with_and_without_recompute_and_loss_chunks(tmp_path):
@@ -100,6 +109,22 @@ def test_cpu_peak_memory_is_the_largest_live_total_during_the_call():
         return b, c
 
     assert peak_memory_mb(call, torch.device("cpu")) == pytest.approx(12, abs=0.05)
+
+
+@pytest.mark.parametrize("n,w", [(1, 1), (17, 1), (17, 4), (100, 16), (33, 64), (64, 200)])
+def test_band_pairs_count_the_scores_inside_the_band(n, w):
+    """The work the TFLOP/s table divides by: every (query, key) pair of the band mask (the causal compare of SA
+    masks about half of them, but the kernel scores them all), and n (n + 1) / 2 for full causal attention."""
+    for permuted in (False, True):
+        left, right = default_band(w, permuted)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        in_band = (j >= i - left) & (j <= i + right)
+        assert ba.band_pairs(n, left, right) == int(in_band.sum())
+    assert ba.attention_flops("full", n, w, 2, 3, 16, False) == 4 * 16 * (n * (n + 1) // 2) * 2 * 3
+    swa_pairs = ba.band_pairs(n, *default_band(w, False))
+    assert ba.attention_flops("swa", n, w, 1, 1, 8, True) == 4 * 8 * swa_pairs * 3.5
+    assert ba.attention_flops("gated_sa_swa", n, w, 1, 1, 8, False) == \
+        ba.attention_flops("sa", n, w, 1, 1, 8, False) + ba.attention_flops("swa", n, w, 1, 1, 8, False)
 
 
 def test_attention_benchmark_subset_of_variants(tmp_path):
@@ -181,3 +206,22 @@ def test_kernels_compile_with_unit_row_strides(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split()[0] for line in proc.stdout.splitlines()] == ["fwd", "dq", "dkdv"]
+
+
+def test_plot_csv_redraws_the_tables_of_an_older_csv_given_its_shape(tmp_path):
+    """CSVs from before the shape columns (the GPU references) get their TFLOP/s from --batch/--heads/--head-dim."""
+    old = tmp_path / "attention_gpu_bf16.csv"
+    fields = ["device", "dtype", "n", "w", "variant", "backend", "fwd_ms", "fwd_bwd_ms", "peak_mb"]
+    with open(old, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(fields)
+        for variant, backend, ms in (("full", "sdpa", 4.0), ("swa", "triton", 0.2), ("sa", "triton", 0.25)):
+            writer.writerow(["gpu", "bf16", 4096, 256, variant, backend, ms, 3 * ms, 100])
+    proc = run_module(["bench.plot_csv", str(old), "--batch", "8"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fwd = next(line for line in proc.stdout.split("Attention matmul work per second")[1].splitlines()
+               if line.startswith("| 4096 | triton | fwd |"))
+    full_tflops = ba.attention_flops("full", 4096, 256, 8, 16, 64, False) / 4e-3 / 1e12
+    assert float(fwd.split("|")[4]) == pytest.approx(full_tflops, rel=1e-3)  # B=8 from the option, H, D defaults
+    assert (tmp_path / "attention_gpu_bf16.md").read_text().strip() == proc.stdout.strip()
+    assert (tmp_path / "attention_gpu_bf16.png").stat().st_size > 0
