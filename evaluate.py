@@ -17,7 +17,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from model.config import attention_label, attention_tag, check_window_for
+from model.config import (attention_from_command_line, attention_given, attention_label, attention_tag,
+                          check_window_for, trained_window_unless_given)
 
 ROOT = Path(__file__).resolve().parent
 
@@ -90,9 +91,8 @@ def main(cfg: DictConfig):
     eval_cfg = OmegaConf.to_container(cfg.eval, resolve=True)
     if eval_cfg.get("data_dir") and not eval_cfg.get("task_dir") and cfg.paths.cache_dir:  # as train.py's
         eval_cfg["task_dir"] = str(default_task_dir(eval_cfg["data_dir"], cfg.paths.cache_dir))
-    attention = {k: v for k, v in OmegaConf.to_container(cfg.attention, resolve=True).items()
-                 if v is not None and k in ("kind", "window", "backend", "eval_seed")}
-    given = _attention_given()
+    given = attention_given(HydraConfig.get().overrides.task)
+    attention = attention_from_command_line(OmegaConf.to_container(cfg.attention, resolve=True))
     if cfg.model.hf:
         try:
             _check_eval_config(eval_cfg, hf=True)
@@ -119,12 +119,6 @@ def main(cfg: DictConfig):
     return summary.get("avg_acc", {}) and summary["avg_acc"]["value"]
 
 
-def trained_window_unless_given(attention: dict, given: set[str]) -> dict:
-    """A trained model keeps its window and eval seed unless the command line sets them: `attention=sa` asks for SA,
-    and the preset's window and eval_seed (32 and 0) are defaults for a model that has none, not a choice."""
-    return {k: v for k, v in attention.items() if k in given or k not in ("window", "eval_seed")}
-
-
 def exported_attention(name: str, attention: dict, given: set[str] | None = None) -> dict:
     """A folder written by hf.export runs with the attention it was trained with unless attention.kind is given
     (it would otherwise run as full attention, silently), and with its window and eval_seed unless they are given.
@@ -141,12 +135,13 @@ def exported_attention(name: str, attention: dict, given: set[str] | None = None
             print(f"eval: SA eval seed {trained['eval_seed']}, as {name} was trained (attention.eval_seed=<s> sets "
                   "another)", file=sys.stderr)
     if "kind" in attention:  # another kind, at the trained window unless one is given
-        check_window_for(trained["kind"], attention["kind"], "window" in attention, name)
+        check_window_for(trained["kind"], attention["kind"], attention.get("window"), name)
         if attention["kind"] != "full" and "window" not in attention and trained["window"]:
             attention = {**attention, "window": trained["window"]}
             print(f"eval: window {trained['window']}, as {name} was trained (sa_export.json; attention.window=<w> "
                   "sets another)", file=sys.stderr)
         return attention
+    check_window_for(trained["kind"], trained["kind"], attention.get("window"), name)
     attention = {**attention, "kind": trained["kind"], "window": attention.get("window", trained["window"])}
     shown = attention_label(trained["kind"], attention["window"])  # full attention names no window
     how = f"as {name} was trained" if shown == attention_label(trained["kind"], trained["window"]) else \
@@ -170,19 +165,6 @@ def _trained_label(name: str, kind: str, window) -> str:
         return ""
     as_trained = attention_label(trained["kind"], trained["window"])
     return "" if attention_label(kind, window) == as_trained else f" [trained {as_trained}]"
-
-
-def attention_given(overrides) -> set[str]:
-    """The attention.* keys a command line's overrides set (attention=<preset> sets kind), not a preset's defaults."""
-    keys = {str(o).split("=", 1)[0].lstrip("+~") for o in overrides}
-    given = {k.split(".", 1)[1] for k in keys if k.startswith("attention.")}
-    return given | {"kind"} if "attention" in keys else given
-
-
-def _attention_given() -> set[str]:
-    from hydra.core.hydra_config import HydraConfig
-
-    return attention_given(HydraConfig.get().overrides.task)
 
 
 def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path, given: set[str] | None = None):

@@ -2,6 +2,7 @@
 
     python sample.py ckpt=runs/train/<run> prompt="The history of" num_samples=3
     python sample.py ckpt=<file>.ckpt temperature=0 max_new_tokens=50       # greedy
+    python sample.py ckpt=<run dir> attention=swa                           # as SWA, at the trained window
 """
 
 from __future__ import annotations
@@ -34,16 +35,21 @@ def check_sample_config(cfg: DictConfig) -> None:
         raise ConfigError("seed", cfg.seed, "an integer")
 
 
-def sample(cfg: DictConfig) -> list[str]:
-    """The texts (prompt + continuation) of cfg.num_samples samples."""
+def sample(cfg: DictConfig, given: set[str] | None = None) -> list[str]:
+    """The texts (prompt + continuation) of cfg.num_samples samples. `given`: the attention keys the command line
+    set (model.config.attention_given); an attention preset's window and eval seed are not a choice of this model's
+    (None: every set key of cfg.attention counts as given)."""
     import torch
 
     from model.checkpoint import load_checkpoint
+    from model.config import attention_from_command_line, trained_window_unless_given
     from model.generate import generate
 
     check_sample_config(cfg)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    attention = {k: v for k, v in OmegaConf.to_container(cfg.attention).items() if v is not None}
+    attention = attention_from_command_line(OmegaConf.to_container(cfg.attention, resolve=True))
+    if given is not None:
+        attention = trained_window_unless_given(attention, given)
     loaded = load_checkpoint(cfg.ckpt, attention=attention or None, device=device)
     trained = loaded.hparams.get("attention") or {}
     changed = [f"{k} {trained[k]} -> {v}" for k, v in attention.items() if k in ("kind", "window")
@@ -69,10 +75,12 @@ def continuation(tokenizer, prompt: list[int], ids: list[int]) -> str:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="sample")
 def main(cfg: DictConfig):
-    from model.config import ConfigError
+    from hydra.core.hydra_config import HydraConfig
+
+    from model.config import ConfigError, attention_given
 
     try:
-        texts = sample(cfg)
+        texts = sample(cfg, attention_given(HydraConfig.get().overrides.task))
     except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -72,7 +72,7 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     hp = ckpt["hyper_parameters"]
     attn = {**hp["attention"], **(attention or {})}
-    check_window_for(hp["attention"].get("kind"), attn.get("kind"), "window" in (attention or {}),
+    check_window_for(hp["attention"].get("kind"), attn.get("kind"), (attention or {}).get("window"),
                      f"checkpoint {ckpt_path}")
     model_cfg = {**hp["model"], **({"max_seq_len": int(context)} if context else {})}
     model = Decoder(ModelConfig(**model_cfg), AttentionConfig(**attn), seed=hp.get("seed", 0))

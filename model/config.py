@@ -46,12 +46,36 @@ class ConfigError(ValueError):
         self.key = key
 
 
-def check_window_for(trained_kind: str, kind: str, window_given: bool, model: str) -> None:
+def attention_given(overrides) -> set[str]:
+    """The attention.* keys a command line's overrides set (attention=<preset> sets kind), not a preset's defaults."""
+    keys = {str(o).split("=", 1)[0].lstrip("+~") for o in overrides}
+    given = {k.split(".", 1)[1] for k in keys if k.startswith("attention.")}
+    return given | {"kind"} if "attention" in keys else given
+
+
+def attention_from_command_line(attention: dict) -> dict:
+    """The overrides of a trained model's attention in evaluate.py / sample.py's `attention` node: its set keys."""
+    return {k: v for k, v in attention.items() if v is not None and k in ("kind", "window", "backend", "eval_seed")}
+
+
+def trained_window_unless_given(attention: dict, given: set[str]) -> dict:
+    """A trained model keeps its window and eval seed unless the command line sets them: `attention=sa` asks for SA,
+    and the preset's window and eval_seed (32 and 0) are defaults for a model that has none, not a choice."""
+    return {k: v for k, v in attention.items() if k in given or k not in ("window", "eval_seed")}
+
+
+def check_window_for(trained_kind: str, kind: str, window_given: int | None, model: str) -> None:
     """A full-attention model records its context as its window (conf/attention/full.yaml's placeholder), not a
-    choice: running it as SWA, SA or MoBA needs a window of its own."""
-    if trained_kind == "full" and kind != "full" and not window_given:
+    choice: running it as SWA, SA or MoBA needs a window of its own. And a window given for a model that runs full
+    attention would change nothing while the output folders and notes named it. `window_given`: the window the
+    command line set, or None."""
+    if trained_kind == "full" and kind != "full" and window_given is None:
         raise ConfigError("attention.window", None, f"{model} was trained with full attention, which has no window: "
                           f"give attention.window=<w> to run it as {kind}")
+    if kind == "full" and window_given is not None:
+        how = "was trained with full attention" if trained_kind == "full" else "runs full attention (attention.kind)"
+        raise ConfigError("attention.window", window_given, f"{model} {how}, which has no window: give "
+                          "attention=swa or attention=sa with the window to run it banded")
 
 
 @dataclass

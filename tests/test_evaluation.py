@@ -803,6 +803,10 @@ def test_sample_py_prints_seeded_samples_and_writes_nothing(tiny_ckpt, tmp_path)
     assert list(tmp_path.iterdir()) == []  # no .hydra folder, no log file
     bad = _run(args + ["top_p=1.5"], tmp_path)
     assert bad.returncode == 2 and "top_p=1.5" in bad.stderr
+    # a preset, as evaluate.py takes it: its kind, and the run's own window (8), not the preset's 32
+    swa = _run(args[:-1] + ["attention=swa"], tmp_path)
+    assert swa.returncode == 0, swa.stderr[-3000:]
+    assert "(kind sa -> swa)" in swa.stderr and swa.stdout.count("--- sample ") == 2
 
 
 @pytest.mark.parametrize("overrides, folder", [([], "quick-{stamp}"), (["attention.window=16"], "quick-w16-{stamp}"),
@@ -893,6 +897,16 @@ def test_a_full_attention_model_run_windowed_needs_a_window(tiny_ckpt, tmp_path)
     with pytest.raises(ConfigError, match="trained with full attention"):
         exported_attention(str(out), preset, given={"kind"})
     assert exported_attention(str(out), preset, given={"kind", "window"})["window"] == 32
+    # and the other way round: a window alone (or with attention=full) would score full attention under a w64 label
+    for attention in ({"window": 64}, {"kind": "full", "window": 64}):
+        with pytest.raises(ConfigError, match="which has no window: give attention=swa or attention=sa") as err:
+            load_checkpoint(tmp_path / "full.ckpt", attention)
+        assert err.value.key == "attention.window" and "=64:" in str(err.value)
+    with pytest.raises(ConfigError, match="runs full attention"):  # an SA model asked for full attention at a window
+        load_checkpoint(tiny_ckpt, {"kind": "full", "window": 64})
+    assert load_checkpoint(tiny_ckpt, {"kind": "full"}).model.attn_cfg.kind == "full"
+    with pytest.raises(ConfigError, match="which has no window"):
+        exported_attention(str(out), {"window": 64, "backend": "auto"}, given={"window"})
 
 
 def test_evaluate_py_reports_a_missing_checkpoint(tmp_path):
