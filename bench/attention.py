@@ -414,7 +414,7 @@ def main():
     save(rows, args.out, tag)
     table = report(rows)
     print(f"\n{table}\n\nthreads={torch.get_num_threads()} torch={torch.__version__} "
-          f"csv/png: {args.out}/attention_{tag}.*")
+          f"csv/png/md: {args.out}/attention_{tag}.*")
     (args.out / f"attention_{tag}.md").write_text(table + "\n")
     print_chosen_configs()
 

@@ -106,7 +106,9 @@ def main():
     p.add_argument("--model", choices=SHAPES, default="small")
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's context")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--window", type=int, default=None,
+                   help="default: n/8, the paper's ratio (256 at n=2048; 32 for the small model's n=256, its "
+                        "training default)")
     p.add_argument("--variants", nargs="+", default=["full", "swa", "sa", "gated_sa_swa"])
     p.add_argument("--backend", default="auto")
     p.add_argument("--steps", type=int, default=5)
@@ -123,6 +125,7 @@ def main():
     cfg = model_config(args.model)
     n = args.seq_len or cfg.max_seq_len
     cfg.max_seq_len = max(cfg.max_seq_len, n)
+    args.window = args.window or max(1, n // 8)
     if args.window >= n:
         print(f"note: --window {args.window} >= n={n}: every variant attends to the whole sequence, so this times the "
               "variants' overheads, not what the band saves (give --window < n, e.g. --window 32)", file=sys.stderr)

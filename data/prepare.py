@@ -400,6 +400,10 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     val = [np.asarray(shards.read_shard(root / name)) for name in val_parts] + val_buf
     if not train_names or not val:
         (root / PROGRESS).unlink(missing_ok=True)  # a corrected config (larger data.shard_tokens) must start afresh
+        if max_tokens and counts["train"] + counts["val"] >= max_tokens:  # the cap, not the corpus, stopped it
+            raise ConfigError("data.max_tokens", max_tokens, f"preparation stopped after {counts['documents']} "
+                              f"document(s) ({counts['train'] + counts['val']:,} tokens), too few to split into "
+                              "train and validation: raise it (or null: the whole corpus)")
         raise ConfigError("data.source", cfg["source"].get("paths", cfg["source"]["kind"]),
                           f"too little text to split into train and validation ({counts['documents']} documents)")
     share = counts["val"] / max(1, counts["train"] + counts["val"])

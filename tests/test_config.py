@@ -272,6 +272,7 @@ def test_a_misspelled_key_on_the_command_line_gets_a_did_you_mean():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "not in struct" in proc.stderr  # Hydra's own refusal, before any work
     assert "hint: 'attention.windwo' is not a key of this config; did you mean 'attention.window'?" in proc.stderr
+    assert "would add the misspelled key as a new one" in proc.stderr  # against Hydra's "+attention.windwo=64"
 
 
 def test_key_hints_for_each_entry_point():

@@ -189,6 +189,16 @@ def test_a_preparation_that_fails_for_too_little_text_leaves_no_progress(tmp_pat
     assert (root / "train_000.bin").exists() and not (root / "progress.json").exists()
 
 
+def test_a_max_tokens_cap_that_leaves_too_little_text_names_the_cap(tmp_path):
+    """Enough documents, but data.max_tokens stops after the first: the error names the cap, not the corpus."""
+    path = tmp_path / "five.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i} of a few words " * 40}) + "\n" for i in range(5)))
+    with pytest.raises(ConfigError, match=r"data.max_tokens=10: preparation stopped after 1 document\(s\)") as err:
+        prepare(data_cfg([path], max_tokens=10), tmp_path / "cache", progress=False)
+    assert err.value.key == "data.max_tokens"
+    assert prepare(data_cfg([path]), tmp_path / "cache", progress=False).meta["tokens"]["train"] > 0  # uncapped: fine
+
+
 def test_long_documents_are_tokenized_in_smaller_batches():
     from data.prepare import _batches
 

@@ -164,7 +164,8 @@ def plot(runs: list[Run], path: Path) -> None:
             band = _mean_band(curves) if curves else None
             if band is not None:
                 x, mean, lo, hi = band
-                ax.plot(x, mean, color=color, lw=2, ls=style, label=f"{name} (n={len(members)})")
+                ax.plot(x, mean, color=color, lw=2, ls=style, label=f"{name} (n={len(members)})",
+                        marker="o" if len(x) == 1 else None)  # a single point draws no line
                 if len(members) > 1:
                     ax.fill_between(x, lo, hi, color=color, alpha=0.15)
     for ax, title in zip(axes, ("validation loss", "training loss")):

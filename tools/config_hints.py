@@ -103,8 +103,12 @@ def run_with_key_hints(main, config_name: str):
     except (SystemExit, Exception) as stop:
         if not isinstance(stop, SystemExit) or stop.code == 1:
             try:
-                for line in unknown_key_hints(config_name, sys.argv[1:]):
+                hints = unknown_key_hints(config_name, sys.argv[1:])
+                for line in hints:
                     print(line, file=sys.stderr)
+                if hints:  # Hydra's own advice, printed above, is the wrong one for a typo
+                    print("hint: Hydra's 'To append to your config use +<key>=...' would add the misspelled key as "
+                          "a new one, which nothing reads; correct the key instead", file=sys.stderr)
             except Exception:  # noqa: BLE001 - a hint must never hide the error it follows
                 pass
         raise
