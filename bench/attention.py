@@ -154,6 +154,8 @@ def variants(backend: str, w: int, n: int, device):
 
 def run(args, csv_path: Path | None = None) -> list[dict]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":  # do_bench's events and synchronize() use the current GPU: make it the one timed
+        torch.cuda.set_device(device)
     dtype = DTYPES[args.dtype]
     backends = args.backends or (["triton", "flex"] if device.type == "cuda" else ["torch"])
     rows = []

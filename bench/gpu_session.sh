@@ -43,6 +43,11 @@ for stage in $STAGES; do  # a misspelt name would run nothing and say nothing
     [ "$stage" = all ] || [[ " $KNOWN " == *" $stage "* ]] || { echo "unknown stage '$stage'; stages: $KNOWN"; exit 2; }
 done
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:tests HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# the test stages spread over TEST_WORKERS processes with pytest-xdist where it is installed (not a dependency of
+# the project: a GPU machine set up from the README has none, and `-n` would then fail every test stage at once)
+XDIST=""
+if $PY -c "import xdist" 2>/dev/null; then XDIST="-n ${TEST_WORKERS:-12}"
+else echo "note: no pytest-xdist here: the test stages run in one process"; fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 $PY -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
@@ -55,7 +60,7 @@ if want tests; then
     echo "== tests: the GPU-only kernel tests (bf16 long sequences, head dims 32-256, the torch backend on CUDA,"
     echo "   bitwise deterministic backward), one pinned config"
     SA_TRITON_AUTOTUNE=0 timeout "$(lim "${TEST_TIMEOUT:-100}")" $PY -m pytest -v -k "gpu or deterministic" \
-        -n "${TEST_WORKERS:-12}" -o addopts="" tests/test_kernels_triton.py \
+        $XDIST -o addopts="" tests/test_kernels_triton.py \
         tests/test_attention.py::test_torch_backend_on_cuda_matches_the_reference > "$OUT/tests.log" 2>&1
     status tests $?; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/tests.log" | tail -20
 fi
@@ -174,7 +179,7 @@ fi
 
 if want tests-all && left 30; then
     echo "== tests-all: with what is left, every Triton kernel test on the GPU (one pinned config) and compiled blocks"
-    SA_TRITON_AUTOTUNE=0 timeout "$(lim 600)" $PY -m pytest -v -m "not slow" -n "${TEST_WORKERS:-12}" -o addopts="" \
+    SA_TRITON_AUTOTUNE=0 timeout "$(lim 600)" $PY -m pytest -v -m "not slow" $XDIST -o addopts="" \
         tests/test_kernels_triton.py tests/test_compile.py > "$OUT/tests_all.log" 2>&1
     status tests-all $?; echo "$(grep -c PASSED "$OUT/tests_all.log") passed"
     grep -E "FAILED|ERROR|passed|failed" "$OUT/tests_all.log" | tail -10

@@ -70,7 +70,9 @@ class Decoder(nn.Module):
         # Every pi is drawn before the first block: a compiled block (compile_blocks) then holds no host-side sampling
         # and no graph break; the draws are the same as drawing inside each layer (one generator per layer).
         B, n = tokens.shape
-        perms = [block.attn.draw_perm(n, B, lengths, tokens.device) for block in self.blocks]
+        # lengths read to the host once, not by every layer's draw (each read of a GPU tensor waits for the device)
+        drawn = lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths
+        perms = [block.attn.draw_perm(n, B, drawn, tokens.device) for block in self.blocks]
         x = self.embed(tokens)
         recompute = self.checkpoint_activations and self.training and torch.is_grad_enabled()
         for block, perm in zip(self.blocks, perms):

@@ -315,16 +315,7 @@ class LitDecoder(L.LightningModule):
         return total / count.clamp_min(1), count, right
 
     def training_step(self, batch, batch_idx):
-        loss, count, _ = self._loss(batch)
-        finite = bool(torch.isfinite(loss.detach()))
-        if self._trainer is not None:  # every rank stops together: a rank left alone would wait in the all-reduce
-            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
-        if not finite:
-            raise NonFiniteLossError(
-                f"training loss became non-finite at step {self.global_step} (this rank's: {loss.item()}); stopping. "
-                "The checkpoints written before it are kept in the run's checkpoints/ folder (try a lower optim.lr "
-                "or a longer warmup)."
-            )
+        loss, count, _ = self._loss(batch)  # checked once per optimizer step (on_before_optimizer_step)
         trainer = self.trainer
         tokens_per_step = batch[:, :-1].numel() * trainer.world_size * trainer.accumulate_grad_batches
         self._add_to_step_loss(loss.detach(), count)
@@ -431,10 +422,21 @@ class LitDecoder(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_before_optimizer_step(self, optimizer):
+        """Logs the step's loss and stops on a non-finite one before the weights change. Checked here, once per
+        optimizer step, not after every micro-batch's forward: that check waited for the device before the backward
+        could be queued (and, under DDP, all-reduced a flag each time). The loss is summed over the ranks, so one
+        rank's NaN stops every rank at the same step."""
         self.log("train/lr", optimizer.param_groups[0]["lr"])
         if self._loss_count:
-            self.log("train/loss", self._step_loss(), prog_bar=True)  # summed over ranks in _step_loss
+            loss = self._step_loss()
             self._loss_sum, self._loss_count, self._loss_weight = None, 0, 0
+            if not bool(torch.isfinite(loss)):
+                raise NonFiniteLossError(
+                    f"training loss became non-finite at step {self.global_step} (the step's loss over every rank: "
+                    f"{loss.item()}); stopping before the update. The checkpoints written before it are kept in the "
+                    "run's checkpoints/ folder (try a lower optim.lr or a longer warmup)."
+                )
+            self.log("train/loss", loss, prog_bar=True)
 
 
 def save_step_checkpoint(trainer, ckpt_dir) -> None:

@@ -29,8 +29,18 @@ DEVICE = "cuda" if CUDA and not INTERPRET else "cpu"
 requires_cuda = pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU (compiled Triton)")
 pytestmark = pytest.mark.skipif(not (CUDA or INTERPRET), reason="Triton needs CUDA or TRITON_INTERPRET=1")
 
-skip_on_gpu_autotune = pytest.mark.skipif(not INTERPRET, reason="tile sizes are autotuned on GPU")
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def pin_tiles(tb, monkeypatch, bm: int, bn: int) -> None:
+    """Every kernel on BLOCK_M x BLOCK_N tiles: the interpreter's config, and on a GPU the pinned one with autotuning
+    off (compiled sm_90 code meets rectangular tiles and both tile loops here too, not only under the interpreter)."""
+    monkeypatch.setattr(tb, "_interp_blocks", lambda n: {"BLOCK_M": bm, "BLOCK_N": bn})
+    monkeypatch.setattr(tb, "_AUTOTUNE", False)
+    monkeypatch.setattr(tb, "_fixed_gpu_config",
+                        lambda row_bytes: {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 2})
+    for name, kernel in (("_fwd", tb._fwd_kernel), ("_dq", tb._dq_kernel), ("_dkdv", tb._dkdv_kernel)):
+        monkeypatch.setattr(tb, name, kernel)  # not the autotuner, which a GPU import wraps them in
 
 
 @pytest.fixture(autouse=True)
@@ -153,18 +163,16 @@ def test_non_power_of_two_head_dim():
     check_against_naive(qkv, do, 4, 4, make_perm("shared", 1, 33, gen), F32)
 
 
-@skip_on_gpu_autotune
 @pytest.mark.parametrize("bm,bn", [(32, 16), (16, 32)])
 def test_rectangular_tiles(tb, monkeypatch, bm, bn):
     """BLOCK_M != BLOCK_N (as some autotune configs): band ranges and masks of query and key tiles differ."""
-    monkeypatch.setattr(tb, "_interp_blocks", lambda n: {"BLOCK_M": bm, "BLOCK_N": bn})
+    pin_tiles(tb, monkeypatch, bm, bn)
     gen = torch.Generator().manual_seed(4)
     qkv, do = make_inputs(2, 2, 1, 70, 16, F32, gen)
     check_against_naive(qkv, do, 7, 8, make_perm("batch", 2, 70, gen), F32)
     check_against_naive(qkv, do, 20, 0, None, F32)
 
 
-@skip_on_gpu_autotune
 @pytest.mark.parametrize("kind,left,right,bm,bn,split", [
     ("batch", 40, 41, 16, 16, True), ("none", 60, 0, 16, 16, True), ("none", 30, 10, 16, 16, True),
     ("shared", 70, 5, 32, 16, True), ("batch", 40, 41, 16, 32, True), ("batch", 40, 41, 16, 16, False),
@@ -176,7 +184,7 @@ def test_interior_tiles(tb, monkeypatch, kind, left, right, bm, bn, split):
     keys are never visible (causal), which the kernel drops before splitting the loop; split=False is the single
     masked loop that SA_TRITON_SPLIT=0 selects for A/B timing.
     """
-    monkeypatch.setattr(tb, "_interp_blocks", lambda n: {"BLOCK_M": bm, "BLOCK_N": bn})
+    pin_tiles(tb, monkeypatch, bm, bn)
     monkeypatch.setattr(tb, "_SPLIT", split)
     gen = torch.Generator().manual_seed(11)
     qkv, do = make_inputs(2, 2, 1, 150, 16, F32, gen)

@@ -614,13 +614,26 @@ def read_metrics_after(cfg):
     return read_metrics(Path(cfg.paths.run_dir))
 
 
-def test_non_finite_loss_stops_with_the_step():
+def _module_with_trainer():
+    import lightning as L
+
     module = LitDecoder(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
                         attention=dict(kind="sa", window=4), optim={}, max_steps=10)
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    module.logged = {}
+    module.log = lambda name, value, **kw: module.logged.__setitem__(name, float(value))  # what Lightning records
+    return module, torch.optim.SGD(module.parameters(), lr=0.1)
+
+
+def test_non_finite_loss_stops_with_the_step_before_the_update():
+    """Checked once per optimizer step: a micro-batch's forward no longer waits for the device."""
+    module, optimizer = _module_with_trainer()
     with torch.no_grad():
         module.model.embed.weight.fill_(float("nan"))
-    with pytest.raises(NonFiniteLossError, match="at step 0"):
-        module.training_step(torch.randint(0, 32, (2, 9)), 0)
+    loss = module.training_step(torch.randint(0, 32, (2, 9)), 0)
+    assert not torch.isfinite(loss)  # no stop yet: the check would have waited for the forward
+    with pytest.raises(NonFiniteLossError, match="non-finite at step 0"):
+        module.on_before_optimizer_step(optimizer)
 
 
 def test_a_resave_without_training_keeps_the_checkpoints_attempt():
@@ -639,19 +652,45 @@ def test_a_resave_without_training_keeps_the_checkpoints_attempt():
     assert saved["attempt"] == "this-run"
 
 
-def test_a_non_finite_loss_on_another_rank_stops_this_one_too(monkeypatch):
-    """Every rank raises at the same micro-batch: a rank left running would wait for the others in the all-reduce."""
+def test_a_real_fit_stops_on_a_non_finite_loss_without_updating_the_weights():
     import lightning as L
 
     module = LitDecoder(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
-                        attention=dict(kind="sa", window=4), optim={}, max_steps=10)
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
-    module.trainer = trainer
-    votes = []
-    monkeypatch.setattr(trainer.strategy, "reduce_boolean_decision", lambda d, all=True: votes.append(d) or False)
+                        attention=dict(kind="sa", window=4), max_steps=10,
+                        optim=dict(lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, warmup_steps=0,
+                                   min_lr_ratio=0.1))
+    with torch.no_grad():
+        module.model.embed.weight[3].fill_(float("nan"))  # only batches holding token 3 go non-finite
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    batches = [torch.randint(4, 32, (2, 9)), torch.full((2, 9), 3)]  # the second micro-batch of step 0
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_steps=10,
+                        accumulate_grad_batches=2, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(NonFiniteLossError, match="non-finite at step 0"):
-        module.training_step(torch.randint(0, 32, (2, 9)), 0)
-    assert votes == [True]  # this rank's loss was finite; the collective decision stopped it
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    assert trainer.global_step == 0
+    after = module.state_dict()
+    assert all(torch.equal(before[k].nan_to_num(), after[k].nan_to_num()) for k in before)  # no update applied
+
+
+def test_a_non_finite_loss_on_another_rank_stops_this_one_too(monkeypatch):
+    """Every rank raises at the same step: a rank left running would wait for the others in the next all-reduce.
+    The step's loss is summed over the ranks, so another rank's NaN reaches this one."""
+    module, optimizer = _module_with_trainer()
+    strategy = module.trainer.strategy
+    monkeypatch.setattr(type(strategy), "world_size", property(lambda self: 2), raising=False)  # trainer.world_size
+    reduced = []
+    monkeypatch.setattr(strategy, "reduce", lambda t, reduce_op: reduced.append(t.clone()) or
+                        t + torch.tensor([float("nan"), 18.0]))  # the other rank: a NaN loss over 18 targets
+    loss = module.training_step(torch.randint(0, 32, (2, 9)), 0)
+    assert torch.isfinite(loss)  # this rank's own loss was finite
+    with pytest.raises(NonFiniteLossError, match="non-finite at step 0"):
+        module.on_before_optimizer_step(optimizer)
+    assert len(reduced) == 1 and reduced[0][1] == 16  # this rank's 2 x 8 targets went into the one reduce
+    finite = module.training_step(torch.randint(0, 32, (2, 9)), 0)  # the sums were reset: this step logs its loss
+    monkeypatch.setattr(strategy, "reduce", lambda t, reduce_op: t * 2)  # the other rank: the same loss and count
+    module.logged.clear()
+    module.on_before_optimizer_step(optimizer)
+    assert module.logged == {"train/lr": 0.1, "train/loss": pytest.approx(float(finite))}
 
 
 def test_gradients_are_clipped_to_optim_grad_clip_and_the_norm_before_is_logged():
