@@ -703,7 +703,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
 
     import lightning as L
     import torch
-    from lightning.pytorch.callbacks import LambdaCallback, RichProgressBar
+    from lightning.pytorch.callbacks import LambdaCallback
     from lightning.pytorch.utilities.exceptions import SIGTERMException
     from rich.console import Console
 
@@ -712,7 +712,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     from data.shards import atomic_write_text
     from model.config import ConfigError
     from model.lightning_module import (CheckpointOnSigterm, LitDecoder, PruneStepCheckpoints, StepCheckpoint,
-                                        save_step_checkpoint)
+                                        StepProgressBar, save_step_checkpoint)
 
     console = RunConsole(Console(stderr=True, soft_wrap=True))  # one message, one line (logs are grepped)
     run_dir = Path(cfg.paths.run_dir)
@@ -816,7 +816,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     prune = PruneStepCheckpoints(ckpt_dir, int(keep), bool(cfg.trainer.get("keep_weights", True))) if keep else None
     callbacks += [prune] if prune else []
     if cfg.trainer.progress_bar:
-        callbacks.append(RichProgressBar(leave=True))
+        callbacks.append(StepProgressBar(leave=True))
     # A run continues its own history only from one of its own checkpoints. Otherwise an earlier run's checkpoints
     # and metrics in this folder are moved aside: its last.ckpt and step checkpoints would be taken for this run's
     # until overwritten, and its metrics.csv rows would join this run's.

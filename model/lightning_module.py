@@ -9,7 +9,7 @@ import uuid
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from model.config import AttentionConfig, ConfigError, ModelConfig
@@ -437,6 +437,16 @@ class LitDecoder(L.LightningModule):
                     "run's checkpoints/ folder (try a lower optim.lr or a longer warmup)."
                 )
             self.log("train/loss", loss, prog_bar=True)
+
+
+class StepProgressBar(RichProgressBar):
+    """Rich's bar for a run counted in steps (max_epochs=-1): it titled the bar "Epoch 0/-2"; now "Epoch 0", the
+    pass over the data the bar's batches belong to."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        text = f"Epoch {current_epoch}" + (f"/{self.trainer.max_epochs - 1}" if (self.trainer.max_epochs or 0) > 0
+                                           else "")
+        return f"{text:{len(self.validation_description)}}"  # padded as Lightning does: no flicker between bars
 
 
 def save_step_checkpoint(trainer, ckpt_dir) -> None:

@@ -652,6 +652,20 @@ def test_a_resave_without_training_keeps_the_checkpoints_attempt():
     assert saved["attempt"] == "this-run"
 
 
+def test_the_progress_bar_of_a_run_counted_in_steps_names_no_last_epoch():
+    import lightning as L
+
+    from model.lightning_module import StepProgressBar
+
+    bar = StepProgressBar()
+    bar._trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, max_epochs=-1, logger=False,
+                             enable_checkpointing=False, callbacks=[bar])
+    assert bar._get_train_description(0).strip() == "Epoch 0"  # Lightning's own: "Epoch 0/-2"
+    bar._trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_checkpointing=False,
+                             callbacks=[bar])
+    assert bar._get_train_description(1).strip() == "Epoch 1/2"
+
+
 def test_a_real_fit_stops_on_a_non_finite_loss_without_updating_the_weights():
     import lightning as L
 
