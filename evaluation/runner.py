@@ -243,11 +243,11 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
     num_seeds = max(1, int(cfg["num_seeds"]))
     notes: list[str] = []
     trained = dict(lm.loaded.hparams.get("attention", {}))
+    # only the command line's attention.window / attention.kind make these differ: said, not taught
     if kind != "full" and trained.get("window") not in (None, info["attention"]["window"]):
-        notes.append(f"window {info['attention']['window']} (trained with {trained['window']}; "
-                     "attention.window=<w> sets it)")
+        notes.append(f"window {info['attention']['window']} (trained with {trained['window']})")
     if trained.get("kind") not in (None, kind):
-        notes.append(f"attention {kind} (trained as {trained['kind']}; attention.kind=<kind> sets it)")
+        notes.append(f"attention {kind} (trained as {trained['kind']})")
     trained_context = lm.loaded.identity()["trained_context"]
     if lm.max_length != trained_context:
         notes.append(f"context {lm.max_length} tokens (trained with {trained_context}"

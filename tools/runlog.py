@@ -55,16 +55,17 @@ def warnings_to_log() -> None:
     current log file at each warning, so runs one after another in a process each get their own)."""
     if getattr(warnings.showwarning, "_to_run_log", False):
         return
-    show = warnings.showwarning
+    show, form = warnings.showwarning, warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        if category is UserWarning and _ours(filename):  # a message to the user, not a place in the code
+            return f"warning: {message}\n"
+        return form(message, category, filename, lineno, line)
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
-        if category is UserWarning and _ours(filename):  # a message to the user, not a place in the code
-            text = f"warning: {message}"
-            print(text, file=file or sys.stderr, flush=True)
-        else:
-            text = f"{category.__name__}: {message}"
-            show(message, category, filename, lineno, file, line)
-        log_to_file(text)
+        show(message, category, filename, lineno, file, line)  # (a recorder, under catch_warnings, stays one)
+        ours = category is UserWarning and _ours(filename)
+        log_to_file(f"warning: {message}" if ours else f"{category.__name__}: {message}")
 
     showwarning._to_run_log = True
-    warnings.showwarning = showwarning
+    warnings.showwarning, warnings.formatwarning = showwarning, formatwarning
