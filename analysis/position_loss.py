@@ -111,7 +111,8 @@ def score_run(ckpt: str, given: dict, attention: dict, log) -> dict:
     started = time.time()
     path = find_checkpoint(ckpt)
     run_dir = run_dir_of(Path(ckpt))
-    loaded = load_checkpoint(path, attention=attention or None, device=given["device"], context=given["context"])
+    loaded = load_checkpoint(path, attention=attention or None, device=given["device"], context=given["context"],
+                             window_if_banded=True)  # a full-attention baseline among the runs stays full
     model, acfg = loaded.model, loaded.model.attn_cfg
     context = model.cfg.max_seq_len
     trained = loaded.identity()["trained_context"]

@@ -152,10 +152,18 @@ def variants(backend: str, w: int, n: int, device):
     return {"full": full, "swa": swa, "sa": sa, "gated_sa_swa": gated}
 
 
-def run(args, csv_path: Path | None = None) -> list[dict]:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":  # do_bench's events and synchronize() use the current GPU: make it the one timed
+def timed_device(name: str | None) -> torch.device:
+    """The device to time on (default: the GPU, else the CPU). A GPU is made the current one, index and all: Triton's
+    do_bench records its events and synchronizes on the current GPU, which would otherwise stay cuda:0."""
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
+    return device
+
+
+def run(args, csv_path: Path | None = None) -> list[dict]:
+    device = timed_device(args.device)
     dtype = DTYPES[args.dtype]
     backends = args.backends or (["triton", "flex"] if device.type == "cuda" else ["torch"])
     rows = []
@@ -335,8 +343,10 @@ def write_csv(rows, path: Path):
     tmp.replace(path)
 
 
-def save(rows, out_dir: Path, tag: str):
-    write_csv(rows, out_dir / f"attention_{tag}.csv")
+def save(rows, out_dir: Path, tag: str, csv_too: bool = True):
+    """attention_<tag>.png (and the CSV unless `csv_too` is False: bench.plot_csv redraws from one it must keep)."""
+    if csv_too:
+        write_csv(rows, out_dir / f"attention_{tag}.csv")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -5,7 +5,8 @@ copied back from a GPU).
     python -m bench.plot_csv /tmp/attention_gpu_bf16_b8_h200_2026-12-04.csv --batch 8
 
 CSVs written before 2026-12-05 do not hold the batch, heads and head dim the TFLOP/s need: --batch, --heads and
---head-dim give them (default: the benchmark's default shape, B=1 H=16 D=64); a CSV's own columns win.
+--head-dim give them (default: the benchmark's default shape, B=1 H=16 D=64); one that contradicts a CSV's own
+column is refused. The CSV itself is left as it is.
 """
 
 from __future__ import annotations
@@ -32,13 +33,20 @@ def load(path: Path) -> list[dict]:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("csv", type=Path)
-    for key in ("batch", "heads", "head_dim"):
-        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=DEFAULT_SHAPE[key])
+    shape = ("batch", "heads", "head_dim")
+    for key in shape:
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None)
     args = p.parse_args()
     path = args.csv
-    rows = [{"batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, **row} for row in load(path)]
+    rows = load(path)
+    for key in shape:
+        given, held = getattr(args, key), {row[key] for row in rows if key in row}
+        if given is not None and held and held != {given}:
+            p.error(f"--{key.replace('_', '-')} {given} contradicts the CSV's own {key} column ({sorted(held)})")
+        for row in rows:
+            row.setdefault(key, DEFAULT_SHAPE[key] if given is None else given)
     tag = path.stem.removeprefix("attention_")
-    save(rows, path.parent, tag)
+    save(rows, path.parent, tag, csv_too=False)
     table = report(rows)
     (path.parent / f"attention_{tag}.md").write_text(table + "\n")
     print(table)

@@ -58,10 +58,12 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def load_checkpoint(path: str | Path, attention: dict | None = None, device: str | torch.device = "cpu",
-                    context: int | None = None) -> LoadedModel:
+                    context: int | None = None, window_if_banded: bool = False) -> LoadedModel:
     """Rebuild the model; `attention` overrides the trained attention config (e.g. another window or backend);
     `context` builds it for sequences of up to that many tokens instead of the trained max_seq_len (the RoPE tables
-    are not saved; positions past the trained context are extrapolation)."""
+    are not saved; positions past the trained context are extrapolation). A window given for a model that runs full
+    attention is refused (it would change nothing), or with `window_if_banded` left out: a tool that scores several
+    runs with one window applies it to the banded ones."""
     from tokenizers import Tokenizer
 
     from data.tokenizer import eos_id
@@ -71,8 +73,11 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
     # mmap: only the tensors read are paged in (a training checkpoint is ~2/3 AdamW moments)
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     hp = ckpt["hyper_parameters"]
-    attn = {**hp["attention"], **(attention or {})}
-    check_window_for(hp["attention"].get("kind"), attn.get("kind"), (attention or {}).get("window"),
+    attention = dict(attention or {})
+    if window_if_banded and attention.get("kind", hp["attention"].get("kind")) == "full":
+        attention.pop("window", None)
+    attn = {**hp["attention"], **attention}
+    check_window_for(hp["attention"].get("kind"), attn.get("kind"), attention.get("window"),
                      f"checkpoint {ckpt_path}")
     model_cfg = {**hp["model"], **({"max_seq_len": int(context)} if context else {})}
     model = Decoder(ModelConfig(**model_cfg), AttentionConfig(**attn), seed=hp.get("seed", 0))

@@ -376,6 +376,15 @@ class LitDecoder(L.LightningModule):
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.parameters(), clip)
         self.log("train/grad_norm", norm)
+        # A finite loss can still give a non-finite gradient (an overflow in the backward; an answer-less micro-batch
+        # of data.loss_only_after, whose loss is 0, through NaN activations). Under 16-mixed the GradScaler skips
+        # such a step itself; otherwise it would reach the weights, and the next checkpoint.
+        if not self._grad_scaler() and not bool(torch.isfinite(norm)):
+            raise NonFiniteLossError(
+                f"the gradient became non-finite at step {self.global_step} (norm {float(norm)}) with a finite loss; "
+                "stopping before the update. The checkpoints written before it are kept in the run's checkpoints/ "
+                "folder (try a lower optim.lr or a longer warmup)."
+            )
 
     def on_validation_epoch_start(self):
         self._val_totals = torch.zeros(3, device=self.device)  # answers only: loss sum, answers, right answers

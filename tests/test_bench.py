@@ -127,6 +127,18 @@ def test_band_pairs_count_the_scores_inside_the_band(n, w):
         ba.attention_flops("sa", n, w, 1, 1, 8, False) + ba.attention_flops("swa", n, w, 1, 1, 8, False)
 
 
+def test_the_benchmark_times_on_the_gpu_it_was_given(monkeypatch):
+    """do_bench synchronizes the current GPU: `--device cuda:1` must make it current, and a plain `cuda` (no index,
+    which set_device refuses) is the current one."""
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    assert ba.timed_device("cuda") == torch.device("cuda", 0)
+    assert ba.timed_device("cuda:1") == torch.device("cuda", 1)
+    assert made_current == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert ba.timed_device("cpu") == torch.device("cpu") and len(made_current) == 2
+
+
 def test_attention_benchmark_subset_of_variants(tmp_path):
     """--variants without SWA or full: the ratio columns are left empty instead of crashing the table."""
     out = tmp_path / "results"
@@ -225,3 +237,13 @@ def test_plot_csv_redraws_the_tables_of_an_older_csv_given_its_shape(tmp_path):
     assert float(fwd.split("|")[4]) == pytest.approx(full_tflops, rel=1e-3)  # B=8 from the option, H, D defaults
     assert (tmp_path / "attention_gpu_bf16.md").read_text().strip() == proc.stdout.strip()
     assert (tmp_path / "attention_gpu_bf16.png").stat().st_size > 0
+    assert next(csv.reader(open(old))) == fields  # the CSV is left as it was: no guessed shape written into it
+    new = tmp_path / "attention_new.csv"  # a CSV with its own shape: an option that contradicts it is refused
+    with open(old) as src, open(new, "w", newline="") as dst:
+        writer = csv.writer(dst)
+        for i, row in enumerate(csv.reader(src)):
+            writer.writerow(row + (["batch"] if i == 0 else ["2"]))
+    refused = run_module(["bench.plot_csv", str(new), "--batch", "8"], tmp_path)
+    assert refused.returncode == 2 and "--batch 8 contradicts the CSV's own batch column ([2])" in refused.stderr
+    agrees = run_module(["bench.plot_csv", str(new)], tmp_path)
+    assert agrees.returncode == 0 and f"| 4096 | triton | fwd | {full_tflops / 4:.1f} |" in agrees.stdout

@@ -904,6 +904,9 @@ def test_a_full_attention_model_run_windowed_needs_a_window(tiny_ckpt, tmp_path)
         assert err.value.key == "attention.window" and "=64:" in str(err.value)
     with pytest.raises(ConfigError, match="runs full attention"):  # an SA model asked for full attention at a window
         load_checkpoint(tiny_ckpt, {"kind": "full", "window": 64})
+    # a tool scoring several runs with one window (analysis.position_loss): the full-attention baseline stays full
+    assert load_checkpoint(tmp_path / "full.ckpt", {"window": 64}, window_if_banded=True).model.attn_cfg.kind == "full"
+    assert load_checkpoint(tiny_ckpt, {"window": 6}, window_if_banded=True).model.attn_cfg.window == 6
     assert load_checkpoint(tiny_ckpt, {"kind": "full"}).model.attn_cfg.kind == "full"
     with pytest.raises(ConfigError, match="which has no window"):
         exported_attention(str(out), {"window": 64, "backend": "auto"}, given={"window"})

@@ -1,16 +1,13 @@
 """What a run says: plain lines on stderr and in the run's train.log (Hydra's job log, beside Lightning's lines),
 rich console messages mirrored there as plain text, and Python warnings (ours through Lightning's rank_zero_warn,
-data preparation's, the libraries') recorded there too; ours read "warning: <message>", without the file and line
-Python puts before a warning. Outside a Hydra job there is no log file and only stderr is written."""
+data preparation's, the libraries') recorded there too. Outside a Hydra job there is no log file and only stderr
+is written."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import warnings
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def log_to_file(text: str) -> None:
@@ -40,32 +37,16 @@ class RunConsole:
             log_to_file(Text.from_markup(message).plain if markup else message)
 
 
-def _ours(filename: str) -> bool:
-    """Whether a warning was raised by this project's code (Lightning's rank_zero_warn names its caller), not by a
-    library installed inside the checkout (.venv)."""
-    try:
-        parts = Path(filename).resolve().relative_to(ROOT).parts
-    except (ValueError, OSError):
-        return False
-    return "site-packages" not in parts and not parts[0].startswith(".")
-
-
 def warnings_to_log() -> None:
     """Every warning shown from now on is also written to train.log (once per process: the hook looks up the
     current log file at each warning, so runs one after another in a process each get their own)."""
     if getattr(warnings.showwarning, "_to_run_log", False):
         return
-    show, form = warnings.showwarning, warnings.formatwarning
-
-    def formatwarning(message, category, filename, lineno, line=None):
-        if category is UserWarning and _ours(filename):  # a message to the user, not a place in the code
-            return f"warning: {message}\n"
-        return form(message, category, filename, lineno, line)
+    show = warnings.showwarning
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
-        show(message, category, filename, lineno, file, line)  # (a recorder, under catch_warnings, stays one)
-        ours = category is UserWarning and _ours(filename)
-        log_to_file(f"warning: {message}" if ours else f"{category.__name__}: {message}")
+        show(message, category, filename, lineno, file, line)
+        log_to_file(f"{category.__name__}: {message}")
 
     showwarning._to_run_log = True
-    warnings.showwarning, warnings.formatwarning = showwarning, formatwarning
+    warnings.showwarning = showwarning
