@@ -183,6 +183,15 @@ def test_a_backend_that_fails_its_gate_is_not_timed(tmp_path, monkeypatch):
     assert not list(out.glob("attention_*"))
 
 
+def test_profile_script_runs_on_the_cpu(tmp_path):
+    """bench/gpu_session.sh's profile stage, as a CPU run of the same code (a GPU lease has no time for a crash)."""
+    proc = run_module(["bench.profile_gpu", "--device", "cpu", "--backend", "torch", "--n", "64", "--window", "8"],
+                      tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "n=64 step: host issue time" in proc.stdout and "n=64 fwd: host issue time" in proc.stdout
+    assert "Self CPU" in proc.stdout and "cumulative" in proc.stdout
+
+
 def test_host_overhead_benchmark(tmp_path):
     proc = run_module(["bench.host_overhead", "--n", "64", "--calls", "5"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
