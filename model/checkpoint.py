@@ -62,8 +62,8 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
     """Rebuild the model; `attention` overrides the trained attention config (e.g. another window or backend);
     `context` builds it for sequences of up to that many tokens instead of the trained max_seq_len (the RoPE tables
     are not saved; positions past the trained context are extrapolation). A window given for a model that runs full
-    attention is refused (it would change nothing), or with `window_if_banded` left out: a tool that scores several
-    runs with one window applies it to the banded ones."""
+    attention is refused (it would change nothing); with `window_if_banded` it is dropped instead, for a tool that
+    scores several runs with one window and applies it to the banded ones."""
     from tokenizers import Tokenizer
 
     from data.tokenizer import eos_id
