@@ -18,7 +18,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from model.config import (attention_from_command_line, attention_given, attention_label, attention_tag,
-                          check_window_for, trained_window_unless_given)
+                          check_window_for, refuse_context_given, trained_window_unless_given)
 
 ROOT = Path(__file__).resolve().parent
 
@@ -95,6 +95,7 @@ def main(cfg: DictConfig):
     attention = attention_from_command_line(OmegaConf.to_container(cfg.attention, resolve=True))
     if cfg.model.hf:
         try:
+            refuse_context_given(HydraConfig.get().overrides.task, "eval.max_length=<tokens> sets the context scored")
             _check_eval_config(eval_cfg, hf=True)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
@@ -104,6 +105,7 @@ def main(cfg: DictConfig):
         print("error: give ckpt=<run dir or .ckpt file> (or model.hf=<HuggingFace model>)", file=sys.stderr)
         sys.exit(2)
     try:
+        refuse_context_given(HydraConfig.get().overrides.task, "eval.max_length=<tokens> sets the context scored")
         _check_eval_config(eval_cfg)
         summary = evaluate_checkpoint(cfg.ckpt, eval_cfg, trained_window_unless_given(attention, given), out_dir)
     except (FileNotFoundError, ConfigError) as err:

@@ -77,9 +77,10 @@ def continuation(tokenizer, prompt: list[int], ids: list[int]) -> str:
 def main(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
 
-    from model.config import ConfigError, attention_given
+    from model.config import ConfigError, attention_given, refuse_context_given
 
     try:
+        refuse_context_given(HydraConfig.get().overrides.task, "the sampler conditions on the last that many tokens")
         texts = sample(cfg, attention_given(HydraConfig.get().overrides.task))
     except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -244,7 +244,9 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
     notes: list[str] = []
     trained = dict(lm.loaded.hparams.get("attention", {}))
     # only the command line's attention.window / attention.kind make these differ: said, not taught
-    if kind != "full" and trained.get("window") not in (None, info["attention"]["window"]):
+    # a full model's recorded window is its context (conf/attention/full.yaml's placeholder), not a window
+    if kind != "full" and trained.get("kind") != "full" and trained.get("window") not in (None,
+                                                                                       info["attention"]["window"]):
         notes.append(f"window {info['attention']['window']} (trained with {trained['window']})")
     if trained.get("kind") not in (None, kind):
         notes.append(f"attention {kind} (trained as {trained['kind']})")

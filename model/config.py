@@ -53,6 +53,17 @@ def attention_given(overrides) -> set[str]:
     return given | {"kind"} if "attention" in keys else given
 
 
+def refuse_context_given(overrides, instead: str) -> None:
+    """evaluate.py and sample.py keep a model.max_seq_len key only so that attention=full resolves (its window names
+    it); the checkpoint's own context is used, so a value given on the command line would be ignored without a word.
+    `instead`: what sets the context there."""
+    for o in overrides:
+        key, _, value = str(o).partition("=")
+        if key.lstrip("+~") == "model.max_seq_len":
+            raise ConfigError("model.max_seq_len", value, f"a checkpoint runs at the context it was trained with; "
+                              f"{instead}")
+
+
 def attention_from_command_line(attention: dict) -> dict:
     """The overrides of a trained model's attention in evaluate.py / sample.py's `attention` node: its set keys."""
     return {k: v for k, v in attention.items() if v is not None and k in ("kind", "window", "backend", "eval_seed")}

@@ -803,6 +803,8 @@ def test_sample_py_prints_seeded_samples_and_writes_nothing(tiny_ckpt, tmp_path)
     assert list(tmp_path.iterdir()) == []  # no .hydra folder, no log file
     bad = _run(args + ["top_p=1.5"], tmp_path)
     assert bad.returncode == 2 and "top_p=1.5" in bad.stderr
+    ignored = _run(args + ["model.max_seq_len=8"], tmp_path)  # the trained context is used: say so, not ignore it
+    assert ignored.returncode == 2 and "model.max_seq_len='8'" in ignored.stderr
     # a preset, as evaluate.py takes it: its kind, and the run's own window (8), not the preset's 32
     swa = _run(args[:-1] + ["attention=swa"], tmp_path)
     assert swa.returncode == 0, swa.stderr[-3000:]
@@ -915,6 +917,25 @@ def test_a_full_attention_model_run_windowed_needs_a_window(tiny_ckpt, tmp_path)
 def test_evaluate_py_reports_a_missing_checkpoint(tmp_path):
     proc = _run([str(ROOT / "evaluate.py"), f"ckpt={tmp_path / 'nope'}", f"out_dir={tmp_path / 'o'}"], tmp_path)
     assert proc.returncode == 2 and "error: no checkpoint" in proc.stderr
+    # model.max_seq_len is there for attention=full's placeholder only: a context given there was ignored silently
+    proc = _run([str(ROOT / "evaluate.py"), f"ckpt={tmp_path / 'nope'}", "model.max_seq_len=32",
+                 f"out_dir={tmp_path / 'o'}"], tmp_path)
+    assert proc.returncode == 2 and "model.max_seq_len='32'" in proc.stderr and "eval.max_length" in proc.stderr
+
+
+def test_a_full_model_scored_windowed_is_not_noted_as_another_window(tiny_ckpt, evaldata, tmp_path, capsys):
+    """A full run's recorded window is its context (conf/attention/full.yaml's placeholder): the note said
+    "window 4 (trained with 16)" of a model that never had a window."""
+    from evaluation import evaluate_checkpoint
+
+    ckpt = torch.load(tiny_ckpt, map_location="cpu", weights_only=True)
+    ckpt["hyper_parameters"]["attention"].update(kind="full", window=ckpt["hyper_parameters"]["model"]["max_seq_len"])
+    torch.save(ckpt, tmp_path / "full.ckpt")
+    cfg = {"tasks": ["lambada_openai"], "data_dir": str(evaldata[0]), "limit": 2, "device": "cpu",
+           "task_dir": str(tmp_path / "tasks")}
+    evaluate_checkpoint(tmp_path / "full.ckpt", cfg, {"kind": "sa", "window": 4}, tmp_path / "out")
+    err = capsys.readouterr().err
+    assert "attention sa (trained as full)" in err and "(trained with" not in err
 
 
 def test_evaluate_py_refuses_a_missing_data_dir_and_fails_when_nothing_ran(tiny_ckpt, tmp_path):
