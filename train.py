@@ -119,18 +119,25 @@ def check_config(cfg: DictConfig):
 
 
 def _check_vocabulary(tokenizer: DictConfig, model_vocab: int) -> None:
-    """A tokenizer larger than the model's embedding, refused before the corpus is tokenized with it (train() checks
+    """A tokenizer larger than the model's embedding, or without an end-of-text token, refused before the corpus is tokenized with it (train() checks
     the prepared one again: a resume may take its checkpoint's tokenizer)."""
     from model.config import ConfigError
 
     if tokenizer.get("path"):
         from tokenizers import Tokenizer
 
+        from data.tokenizer import eos_id
+
         try:
-            size, what = Tokenizer.from_file(str(tokenizer.path)).get_vocab_size(), f"{tokenizer.path}'s vocabulary"
+            tok = Tokenizer.from_file(str(tokenizer.path))
         except Exception as err:  # noqa: BLE001 - the tokenizers library's own error says what is wrong in the file
             raise ConfigError("data.tokenizer.path", tokenizer.path, f"not a tokenizer.json the tokenizers library "
                               f"reads ({str(err).splitlines()[0][:200]})") from None
+        try:
+            eos_id(tok)
+        except ValueError as err:  # found here, before the corpus is read
+            raise ConfigError("data.tokenizer.path", tokenizer.path, str(err)) from None
+        size, what = tok.get_vocab_size(), f"{tokenizer.path}'s vocabulary"
     else:
         size, what = int(tokenizer.vocab_size), "data.tokenizer.vocab_size"
     if size > model_vocab:

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from data.prepare import SAMPLINGS, WINDOW_STARTS
 from data.shards import read_shard
+from model.config import ConfigError
 from model.permutation import seeded_generator
 
 
@@ -71,9 +72,11 @@ class TrainWindows(Dataset):
             self.slack = targets - self.windows * seq_len
         else:
             self.windows = np.maximum(sizes - seq_len, 0)
-        if self.windows.sum() == 0:
+        if self.windows.sum() == 0:  # a ConfigError: train.py prints it as one line, not a traceback
             where = " starting where a document begins" if start == "document" else ""
-            raise ValueError(f"training shards hold no window of seq_len + 1 = {seq_len + 1} tokens{where}")
+            raise ConfigError("data.seq_len", seq_len, f"the training shards ({int(sizes.sum()):,} tokens) hold no "
+                              f"window of seq_len + 1 = {seq_len + 1} tokens{where}: lower it, or give more text "
+                              "(data.source, data.max_tokens)")
         self.cum = np.cumsum(self.windows)
         self._shards = None
         self._pass = None  # (pass, order of the windows, phases of the grids): the pass being read
@@ -137,8 +140,9 @@ class FixedWindows(Dataset):
             offsets = [offsets[i * len(offsets) // max_windows] for i in range(max_windows)]
         if not offsets:
             where = " starting where a document begins" if start == "document" else ""
-            raise ValueError(f"validation shard {shard_path} holds no window of seq_len + 1 = {seq_len + 1} tokens"
-                             f"{where}")
+            raise ConfigError("data.seq_len", seq_len, f"the validation shard {shard_path} ({tokens.size:,} tokens) "
+                              f"holds no window of seq_len + 1 = {seq_len + 1} tokens{where}: lower it, or raise "
+                              "data.val_fraction")
         self.windows = torch.from_numpy(
             np.stack([np.asarray(tokens[o : o + seq_len + 1], dtype=np.int64) for o in offsets]))
 

@@ -404,6 +404,11 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
             raise ConfigError("data.max_tokens", max_tokens, f"preparation stopped after {counts['documents']} "
                               f"document(s) ({counts['train'] + counts['val']:,} tokens), too few to split into "
                               "train and validation: raise it (or null: the whole corpus)")
+        if counts["documents"] == 1:  # nanoGPT's one big input.txt: the split holds out whole documents
+            raise ConfigError("data.source", cfg["source"].get("paths", cfg["source"]["kind"]),
+                              "one document cannot be split into train and validation, which hold out whole "
+                              "documents (a .txt file is one document): give several files, or one jsonl line per "
+                              "document")
         raise ConfigError("data.source", cfg["source"].get("paths", cfg["source"]["kind"]),
                           f"too little text to split into train and validation ({counts['documents']} documents)")
     share = counts["val"] / max(1, counts["train"] + counts["val"])

@@ -140,11 +140,30 @@ def file_documents(paths, text_field: str = "text", streaming: bool = True) -> I
     files = [f for f in resolve_files(paths) if os.path.getsize(f) > 0]
     for builder, group in _loads(files):
         field = "text" if builder == "text" else text_field
-        for row in _rows(builder, group, streaming):
-            if field not in row:
-                raise ConfigError("data.source.text_field", text_field, f"not a field of {group[0]}: {sorted(row)}")
-            if row[field]:
-                yield row[field]
+        yield from _texts(_rows(builder, group, streaming), field, text_field, group[0])
+
+
+def _texts(rows, field: str, text_field: str, where) -> Iterator[str]:
+    """The documents in `field` of `rows` (from `where`). A value that is not text is refused: a list of strings was
+    joined without a separator (tokenizers read it as a pair) and a number failed with no file named. Rows whose
+    field is null (a json file whose later rows name their text otherwise: datasets fills them with None) are left
+    out and counted, where they vanished without a word. `text_field`: the config's value, for the error."""
+    rows_read = missing = 0
+    for row in rows:
+        rows_read += 1
+        if field not in row:
+            raise ConfigError("data.source.text_field", text_field, f"not a field of {where}: {sorted(row)}")
+        text = row[field]
+        if text is None:
+            missing += 1
+        elif not isinstance(text, str):
+            raise ConfigError("data.source.text_field", text_field, f"holds {type(text).__name__} values in {where} "
+                              f"(row {rows_read}), not text")
+        elif text:
+            yield text
+    if missing:
+        warnings.warn(f"{missing:,} of {rows_read:,} rows of {where} have no {field!r} (null) and were left out "
+                      "(data.source.text_field names the text's field)", stacklevel=2)
 
 
 def _rows(builder: str, group: list[str], streaming: bool) -> Iterator[dict]:
@@ -219,6 +238,12 @@ def hub_documents(name: str, config: str | None, split: str, text_field: str, st
     try:
         ds = datasets.load_dataset(name, config, split=split, streaming=streaming, revision=revision)
     except Exception as err:  # offline, unknown name, no permission: say how to use local files instead
+        first_line = (str(err).splitlines() or [""])[0]
+        # the dataset opened but has no such split or config ("Bad split: validation. Available splits: ['train']"):
+        # the hub-access advice below would send the user the wrong way
+        if isinstance(err, ValueError) and first_line.startswith(("Bad split", "BuilderConfig", "Config name")):
+            key, value = ("data.source.split", split) if "split" in first_line else ("data.source.config", config)
+            raise ConfigError(key, value, f"{name}: {first_line[:300]}") from err
         raise DataSourceError(
             f"could not open the HuggingFace dataset {name!r} "
             f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}).\n"
@@ -228,11 +253,7 @@ def hub_documents(name: str, config: str | None, split: str, text_field: str, st
             "(txt, jsonl/json and parquet, compressed too: .gz, .zst, .bz2, .xz), or pre-download the dataset and "
             "set HF_DATASETS_CACHE."
         ) from err
-    for row in ds:
-        if text_field not in row:  # as file_documents: a wrong field name is named, not "the source yielded no text"
-            raise ConfigError("data.source.text_field", text_field, f"not a field of {name}: {sorted(row)}")
-        if row[text_field]:
-            yield row[text_field]
+    yield from _texts(ds, text_field, text_field, name)
 
 
 def documents(source) -> Iterator[str]:

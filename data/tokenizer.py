@@ -40,13 +40,17 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return tok
 
 
+EOS_FALLBACKS = ("</s>", "<|end_of_text|>", "<eos>")
+
+
 def eos_id(tok: Tokenizer) -> int:
     token_id = tok.token_to_id(EOS)
     if token_id is None:  # a foreign tokenizer: fall back to its own end-of-text style token, if any
-        for candidate in ("</s>", "<|end_of_text|>", "<eos>"):
+        for candidate in EOS_FALLBACKS:
             if tok.token_to_id(candidate) is not None:
                 return tok.token_to_id(candidate)
-        raise ValueError(f"tokenizer has no end-of-text token ({EOS} or </s>)")
+        raise ValueError(f"the tokenizer has no end-of-text token (none of {', '.join((EOS, *EOS_FALLBACKS))}): "
+                         "documents are separated by one")
     return token_id
 
 

@@ -236,6 +236,23 @@ def test_vocabulary_smaller_than_tokenizer_is_refused(tmp_path, corpus_file, dat
     assert not Path(tmp_path / "b" / "checkpoints").exists()
 
 
+def test_a_tokenizer_without_an_end_of_text_token_is_refused_before_the_corpus_is_read(tmp_path):
+    """Documents are separated by an end-of-text token; a tokenizer.json without one failed after the model was
+    built, with a ValueError that named no key."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from train import _check_vocabulary
+
+    path = tmp_path / "tokenizer.json"
+    Tokenizer(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(path))
+    with pytest.raises(ConfigError, match=r"data.tokenizer.path=.*none of <\|endoftext\|>, </s>") as err:
+        _check_vocabulary(OmegaConf.create({"path": str(path)}), 512)
+    assert err.value.key == "data.tokenizer.path"
+    Tokenizer(WordLevel({"a": 0, "[UNK]": 1, "</s>": 2}, unk_token="[UNK]")).save(str(path))
+    _check_vocabulary(OmegaConf.create({"path": str(path)}), 512)  # a foreign end-of-text token is taken
+
+
 def _readme_train_commands() -> list[list[str]]:
     """The overrides of every `python train.py ...` line in README.md's code blocks (continuations joined,
     placeholders such as <config> filled in, a sweep's first value)."""

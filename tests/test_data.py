@@ -183,7 +183,7 @@ def test_a_preparation_that_fails_for_too_little_text_leaves_no_progress(tmp_pat
     path = tmp_path / "one.jsonl"
     path.write_text(json.dumps({"text": "a single document of a few words " * 20}) + "\n")
     cfg = data_cfg([path], shard_tokens=10)
-    with pytest.raises(ConfigError, match="too little text"):
+    with pytest.raises(ConfigError, match="one document cannot be split"):  # nanoGPT's one input.txt too
         prepare(cfg, tmp_path / "cache", progress=False)
     root = prepared_root(cfg, tmp_path / "cache")
     assert (root / "train_000.bin").exists() and not (root / "progress.json").exists()
@@ -319,6 +319,40 @@ def test_a_hub_dataset_without_the_text_field_names_the_key(monkeypatch):
         list(hub_documents("some/corpus", None, "train", "text"))
 
 
+def test_a_hub_dataset_without_that_split_or_config_names_the_key(tmp_path):
+    """A local dataset folder read as data=hf: a wrong split was blamed on hub access ("this machine may have no hub
+    access"); it names data.source.split (or .config) with datasets' own list of what there is."""
+    from data.sources import hub_documents
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "train.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(3)))
+    with pytest.raises(ConfigError, match=r"data.source.split='validation'.*Available splits: \['train'\]") as err:
+        list(hub_documents(str(tmp_path / "corpus"), None, "validation", "text"))
+    assert err.value.key == "data.source.split"
+    with pytest.raises(ConfigError, match="data.source.config='nope'"):
+        list(hub_documents(str(tmp_path / "corpus"), "nope", "train", "text"))
+    assert list(hub_documents(str(tmp_path / "corpus"), None, "train", "text")) == ["doc 0", "doc 1", "doc 2"]
+
+
+def test_a_text_field_that_is_not_text_is_refused_and_null_rows_are_counted(tmp_path):
+    """A list of strings was joined without a separator (the tokenizer read it as a pair), a number failed with a
+    bare TypeError; rows whose field is null (later rows naming their text otherwise) vanished without a word."""
+    from data.sources import file_documents
+
+    for value, kind in (([" first part", "second part"], "list"), (7, "int")):
+        path = tmp_path / f"{kind}.jsonl"
+        path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+        with pytest.raises(ConfigError, match=f"holds {kind} values in .*{kind}.jsonl \\(row 2\\), not text") as err:
+            list(file_documents([str(path)]))
+        assert err.value.key == "data.source.text_field"
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps({"text": f"doc {i}"} if i % 2 else {"content": f"doc {i}"}) + "\n"
+                             for i in range(6)))
+    for streaming in (True, False):
+        with pytest.warns(UserWarning, match=r"3 of 6 rows of .*mixed.jsonl have no 'text' \(null\)"):
+            assert list(file_documents([str(mixed)], streaming=streaming)) == ["doc 1", "doc 3", "doc 5"]
+
+
 def test_special_token_text_inside_a_document_stays_text(tmp_path):
     """A document quoting "<|endoftext|>" (code, web text about tokenizers) keeps it as text: one EOS per document,
     at its end, so window_start=document still finds the documents where they begin."""
@@ -432,6 +466,13 @@ def test_windows_are_deterministic_by_seed_index_rank(tmp_path, corpus_file):
     assert len(every) == (size - 1) // 32 > 3 and (every[1][0] == every[0][-1])  # consecutive: a shared boundary
     picked = [i * len(every) // 3 for i in range(3)]
     assert len(val) == 3 and all((val[i] == every[j]).all() for i, j in enumerate(picked))  # spread over the shard
+    # a split shorter than one window: a ConfigError (train.py prints one line), not a traceback naming no key
+    train_size = sum(shards.read_shard(p).size for p in prepared.train_shards)
+    with pytest.raises(ConfigError, match="data.seq_len=.*validation shard .*raise data.val_fraction") as err:
+        FixedWindows(prepared.val_shard, seq_len=size, max_windows=3)
+    assert err.value.key == "data.seq_len"
+    with pytest.raises(ConfigError, match=f"training shards \\({train_size:,} tokens\\) hold no window"):
+        TrainWindows(prepared.train_shards, seq_len=train_size, batch_size=4, seed=0, rank=0, length=100)
 
 
 @pytest.mark.parametrize("start", ["any", "document"])
