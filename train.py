@@ -227,6 +227,10 @@ def _check_trainer_and_optim(cfg: DictConfig):
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ConfigError("optim.schedule_steps", steps, "a positive number of steps (or null: trainer.max_steps)")
     schedule = int(steps or t.max_steps)
+    if str(t.precision) == "16-true" and (_real(o.get("eps", 1e-8)) or 0) < 6e-8:
+        say(f"warning: trainer.precision=16-true keeps weights and AdamW's state in fp16, where "
+            f"optim.eps={o.get('eps', 1e-8)} rounds to 0 (fp16's smallest value is 6e-8) and no loss scaling guards the gradients: expect a "
+            "non-finite loss within steps; prefer bf16-mixed or 16-mixed")
     if int(o.warmup_steps) >= schedule:  # legal (short test runs), but rarely meant
         say(f"warning: optim.warmup_steps={o.warmup_steps} >= the schedule's {schedule} steps: the learning rate "
             "never leaves warmup (no decay)")
@@ -294,7 +298,7 @@ def _check_cpu_training(cfg: DictConfig):
     if backend == "flex":
         raise ConfigError("attention.backend", backend, "FlexAttention has no backward on the CPU (it serves "
                           "evaluation there); train with auto or torch")
-    if str(cfg.trainer.precision) in ("16-mixed", "16"):
+    if str(cfg.trainer.precision) in ("16-mixed", "16", "16-true"):  # 16-true: fp16 weights, no loss scaling
         raise ConfigError("trainer.precision", cfg.trainer.precision, "fp16 training needs a GPU; on the CPU use "
                           "auto (32-true) or bf16-mixed")
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels import default_band
 from model.attention import Attention
 from model.config import AttentionConfig, ModelConfig
 from model.layers import RMSNorm, SwiGLU
@@ -122,12 +123,18 @@ class Decoder(nn.Module):
 
     def flops_per_token(self, seq_len: int, non_embedding_params: int | None = None) -> float:
         """Training FLOPs per token, for MFU: 6 x (the non-embedding parameters + the LM head's d x V matmul, which runs
-        whether or not it shares the embedding's weights) + attention over the keys a query's band computes, on
-        average: a causal band of w keys (SWA; full attention is w = n) has w - w(w-1)/(2n), SA's permuted band w."""
+        whether or not it shares the embedding's weights) + attention over the keys a query sees, on average, as
+        FlashAttention counts causal attention (the masked half is not model FLOPs): a causal band of w keys (SWA;
+        full attention is w = n) has w - w(w-1)/(2n); SA's permuted band holds itself and, of the others, the earlier
+        half (a random order), 1 + (n w - L(L+1)/2 - R(R+1)/2 - n) / (2n) for the band (L, R) clipped at the ends.
+        The kernels compute SA's whole band, so SA's MFU is about half SWA's for the attention part."""
         n, kind = seq_len, self.attn_cfg.kind
         w = n if kind == "full" else min(self.attn_cfg.window, n)
         causal_band = w - w * (w - 1) / (2 * n)
-        span = {"full": causal_band, "swa": causal_band, "gated_sa_swa": w + causal_band}.get(kind, w)
+        left, right = (min(edge, n - 1) for edge in default_band(self.attn_cfg.window if kind != "full" else n, True))
+        permuted_band = 1 + (n * (left + right + 1) - left * (left + 1) / 2 - right * (right + 1) / 2 - n) / (2 * n)
+        span = {"full": causal_band, "swa": causal_band, "gated_sa_swa": permuted_band + causal_band,
+                "sa": permuted_band}.get(kind, w)
         attn = 12 * self.cfg.n_layers * self.cfg.d_model * span
         if non_embedding_params is None:  # counted by the caller where the parameters may be sharded (FSDP)
             non_embedding_params = self.num_parameters(non_embedding=True)

@@ -129,6 +129,7 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("data.tokenizer.vocab_size=600", "model.vocab_size"),  # tiny's 512: refused after tokenizing the corpus
         *([("trainer.devices=[0]", "trainer.devices")] if not torch.cuda.is_available() else []),
         *([("attention.backend=flex", "attention.backend"), ("trainer.precision=16-mixed", "trainer.precision"),
+           ("trainer.precision=16-true", "trainer.precision"),  # fp16 weights: a NaN loss by step 4 (AdamW's eps)
            ("trainer=fsdp trainer.accelerator=cpu trainer.devices=2", "trainer.strategy")]
           if not torch.cuda.is_available() else []),  # no FlexAttention backward, no fp16 autocast on the CPU
         *([("trainer=ddp", "trainer.accelerator")] if not torch.cuda.is_available() else []),  # a GPU preset on CPU
@@ -234,6 +235,17 @@ def test_vocabulary_smaller_than_tokenizer_is_refused(tmp_path, corpus_file, dat
     with pytest.raises(ConfigError, match="model.vocab_size"):
         train(cfg)
     assert not Path(tmp_path / "b" / "checkpoints").exists()
+
+
+def test_pure_fp16_with_an_eps_that_underflows_is_warned_about(tmp_path, corpus_file, capsys):
+    """16-true keeps AdamW's state in fp16, where eps=1e-8 is 0: the audit's CPU run went NaN at step 4. On a GPU it
+    is allowed (prepare_only skips the CPU's own refusal here), with a warning; a larger eps is not warned about."""
+    cfg = compose_train(TINY + ["trainer.precision=16-true", "prepare_only=true"], tmp_path, corpus_file)
+    check_config(cfg)
+    assert "trainer.precision=16-true keeps weights and AdamW's state in fp16" in capsys.readouterr().err
+    check_config(compose_train(TINY + ["trainer.precision=16-true", "prepare_only=true", "optim.eps=1e-4"],
+                               tmp_path, corpus_file))
+    assert "16-true" not in capsys.readouterr().err
 
 
 def test_a_tokenizer_without_an_end_of_text_token_is_refused_before_the_corpus_is_read(tmp_path):

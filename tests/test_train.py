@@ -857,6 +857,29 @@ def test_flops_per_token_counts_the_head_and_the_matmuls_that_run():
     assert swa.flops_per_token(32) == pytest.approx(model(kind="full").flops_per_token(32))
 
 
+@pytest.mark.parametrize("window", [1, 4, 9, 64, 200])
+def test_flops_per_token_counts_the_keys_sa_lets_a_query_see(window):
+    """MFU counts model FLOPs, as FlashAttention counts causal attention: SA was credited its whole band of w, of
+    which a random order hides the later half (124.5 of 256 keys at n=2048). The count is checked against the
+    reference mask, averaged over permutations."""
+    from kernels import default_band
+    from kernels.naive import band_mask
+
+    n = 64
+    cfg = dict(model=dict(vocab_size=512, n_layers=2, d_model=64, n_heads=4, max_seq_len=n), optim={}, max_steps=10)
+    sa = LitDecoder(attention=dict(kind="sa", window=window), **cfg).model
+    swa = LitDecoder(attention=dict(kind="swa", window=window), **cfg).model
+    gated = LitDecoder(attention=dict(kind="gated_sa_swa", window=window), **cfg).model
+    gen = torch.Generator().manual_seed(0)
+    perms = torch.stack([torch.randperm(n, generator=gen) for _ in range(400)])
+    seen = band_mask(perms, *default_band(window, permuted=True)).sum(-1).float().mean().item()
+    causal = band_mask(torch.arange(n), *default_band(window, permuted=False)).sum(-1).float().mean().item()
+    per_key = 12 * sa.cfg.n_layers * sa.cfg.d_model
+    assert (sa.flops_per_token(n) - swa.flops_per_token(n)) / per_key == pytest.approx(seen - causal, abs=0.05)
+    gates = 6 * (gated.num_parameters(non_embedding=True) - swa.num_parameters(non_embedding=True))
+    assert (gated.flops_per_token(n) - gates - swa.flops_per_token(n)) / per_key == pytest.approx(seen, rel=0.01)
+
+
 def test_each_micro_batch_of_an_accumulated_step_draws_its_own_permutations(tmp_path):
     import lightning as L
 
