@@ -246,7 +246,7 @@ def hub_documents(name: str, config: str | None, split: str, text_field: str, st
             raise ConfigError(key, value, f"{name}: {first_line[:300]}") from err
         raise DataSourceError(
             f"could not open the HuggingFace dataset {name!r} "
-            f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}).\n"
+            f"({type(err).__name__}: {first_line[:200]}).\n"
             "This machine may have no hub access. Point the data at local files instead, e.g.\n"
             "  python train.py ... data=files data.source.paths='[/path/to/corpus/*.jsonl.gz]' "
             "data.source.text_field=text\n"
