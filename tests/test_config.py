@@ -124,6 +124,10 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("data.seq_len=32.5", "data.seq_len"),
         ("data.val_fraction=abc", "data.val_fraction"),
         ("seed=-1", "seed"),
+        # added with + (Hydra's advice for a misspelled key): read by nothing, the run would train without it
+        ("+trainer.gradient_clip_val=1.0", "trainer.gradient_clip_val"),
+        ("+optim.warmup=10", "optim.warmup"),
+        ("+data.source.text_feild=body", "data.source.text_feild"),
         ("trainer.strategy=ddp_spawn", "trainer.strategy"),  # its workers return no step: the last save was skipped
         ("seed=abc", "seed"),
         ("data.tokenizer.vocab_size=600", "model.vocab_size"),  # tiny's 512: refused after tokenizing the corpus
@@ -302,6 +306,31 @@ def test_a_misspelled_key_on_the_command_line_gets_a_did_you_mean():
     assert proc.returncode == 1 and "not in struct" in proc.stderr  # Hydra's own refusal, before any work
     assert "hint: 'attention.windwo' is not a key of this config; did you mean 'attention.window'?" in proc.stderr
     assert "would add the misspelled key as a new one" in proc.stderr  # against Hydra's "+attention.windwo=64"
+
+
+def test_an_added_key_nothing_reads_is_refused_with_the_key_it_meant(tmp_path, corpus_file):
+    for added, meant in (("+trainer.gradient_clip_val=1", "optim.grad_clip"),
+                         ("+optim.warmup=3", "optim.warmup_steps"),
+                         ("+data.tokenizer.vocab=300", "data.tokenizer.vocab_size")):
+        with pytest.raises(ConfigError, match=f"did you mean {meant}\\?"):
+            check_config(compose_train(TINY + [added], tmp_path, corpus_file))
+    with pytest.raises(ConfigError, match="the keys of optim: lr, weight_decay"):
+        check_config(compose_train(TINY + ["+optim.zzz=1"], tmp_path, corpus_file))
+
+
+@pytest.mark.parametrize("section", ["trainer", "optim", "data"])
+def test_the_read_keys_cover_every_preset(section):
+    """Every key a preset sets in trainer, optim or data is one train.py reads (else check_config refuses it)."""
+    from tools.config_hints import READ_KEYS
+
+    for path in sorted((ROOT / "conf").rglob("*.yaml")):
+        raw = OmegaConf.load(path)
+        # a group's own file is the section; a global-package file (experiment=, data=probes) holds it by name
+        node = raw if path.parent.name == section and section not in raw else raw.get(section)
+        for sub in ([] if node is None else [section] + [f"{section}.{k}" for k in node if f"{section}.{k}" in
+                                                          READ_KEYS]):
+            keys = node if sub == section else node[sub.partition(".")[2]]
+            assert set(keys) - {"defaults"} <= set(READ_KEYS[sub]), (path, sub)
 
 
 def test_key_hints_for_each_entry_point():

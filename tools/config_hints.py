@@ -4,7 +4,8 @@ Hydra refuses `attention.windwo=64` with "Key 'windwo' is not in struct" and sug
 adds the typo as a new key. The entry points run their Hydra main through `run_with_key_hints`: when Hydra stops with
 an error, the config is composed again with the command line's group choices only (`attention=sa`,
 `experiment=...`) and every dotted key the command line sets that the config lacks is named with its closest keys.
-A launch that works pays nothing.
+A launch that works pays nothing. A key added with `+` where nothing reads one (`+trainer.gradient_clip_val=1`,
+Lightning's name for optim.grad_clip) is refused by `refuse_unread_keys`, which train.py's check_config calls.
 """
 
 from __future__ import annotations
@@ -91,6 +92,54 @@ def unknown_key_hints(config_name: str, argv: list[str]) -> list[str]:
             guess = f"{parent!r} is not a section of this config"
         hints.append(f"hint: {key!r} is not a key of this config; {guess}")
     return hints
+
+
+# The keys train.py reads in the sections whose extra keys nothing would read (model and attention are checked by
+# their dataclasses, data.probes by data/probes.py; tests/test_config.py keeps these in step with conf/).
+READ_KEYS = {
+    "trainer": ("accelerator", "devices", "num_nodes", "strategy", "precision", "max_steps", "accumulate_grad_batches",
+                "val_every_n_steps", "checkpoint_every_n_steps", "keep_checkpoints", "keep_weights",
+                "log_every_n_steps", "progress_bar", "activation_checkpointing", "loss_chunk_tokens", "compile"),
+    "optim": ("lr", "weight_decay", "betas", "eps", "warmup_steps", "min_lr_ratio", "schedule", "decay_fraction",
+              "grad_clip", "tokens_per_step", "schedule_steps"),
+    "data": ("source", "tokenizer", "val_fraction", "max_tokens", "shard_tokens", "seq_len", "sampling",
+             "window_start", "loss_only_after", "batch_size", "val_windows", "val_batch_size", "num_workers",
+             "cache_dir", "probes"),
+    "data.source": ("kind", "paths", "text_field", "streaming", "name", "config", "split", "revision"),
+    "data.tokenizer": ("path", "vocab_size", "train_chars"),
+}
+# Lightning's (and other trainers') names for what this config spells otherwise
+ELSEWHERE = {"trainer.gradient_clip_val": "optim.grad_clip", "trainer.max_epochs": "trainer.max_steps",
+             "trainer.val_check_interval": "trainer.val_every_n_steps",
+             "trainer.check_val_every_n_epoch": "trainer.val_every_n_steps",
+             "trainer.limit_train_batches": "trainer.max_steps", "trainer.lr": "optim.lr",
+             "trainer.gradient_accumulation_steps": "trainer.accumulate_grad_batches",
+             "optim.gradient_accumulation_steps": "trainer.accumulate_grad_batches",
+             "optim.beta1": "optim.betas", "optim.beta2": "optim.betas", "optim.max_lr": "optim.lr",
+             "optim.learning_rate": "optim.lr", "data.micro_batch_size": "data.batch_size",
+             "data.block_size": "data.seq_len", "data.context_length": "data.seq_len"}
+
+
+def refuse_unread_keys(cfg) -> None:
+    """Raise ConfigError for a key of trainer, optim or data that nothing reads: added with `+` (Hydra's own advice
+    for a misspelled key), it would be ignored in silence and the run would train without it."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from model.config import ConfigError
+
+    for section, read in READ_KEYS.items():
+        node = OmegaConf.select(cfg, section, default=None)
+        if not isinstance(node, DictConfig):
+            continue
+        for key in node.keys():
+            if key in read:
+                continue
+            full = f"{section}.{key}"
+            close = ELSEWHERE.get(full) or next(iter(difflib.get_close_matches(str(key), read, n=1, cutoff=0.6)), None)
+            close = f"{section}.{close}" if close and "." not in close else close
+            raise ConfigError(full, node._get_node(key)._value(), "not a key train.py reads: it would be ignored "
+                              f"(remove the +{full}=...)" + (f"; did you mean {close}?" if close else
+                                                               f"; the keys of {section}: {', '.join(read)}"))
 
 
 def run_with_key_hints(main, config_name: str):
