@@ -75,6 +75,21 @@ def _check_eval_config(eval_cfg: dict, hf: bool = False) -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg: DictConfig):
+    from hydra.core.hydra_config import HydraConfig
+
+    from tools.runlog import only_launch_files, remove_refused_launch
+
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    new_folder = only_launch_files(out_dir, "evaluate.log", log_empty=True)
+    try:
+        return _evaluate(cfg)
+    except SystemExit as stop:
+        if stop.code == 2 and new_folder:  # refused before it scored anything
+            remove_refused_launch(out_dir, "evaluate.log")
+        raise
+
+
+def _evaluate(cfg: DictConfig):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import logging
 

@@ -971,11 +971,17 @@ def main(cfg: DictConfig):
         for handler in list(logging.getLogger("lightning").handlers):
             logging.getLogger("lightning").removeHandler(handler)
 
+    from tools.runlog import only_launch_files, remove_refused_launch
+
+    run_dir = Path(cfg.paths.run_dir)
+    new_folder = only_launch_files(run_dir, "train.log", log_empty=True)
     try:
         cfg, overrides = _with_run_overrides(cfg)
         metrics = train(cfg, overrides)
     except (ConfigError, DataSourceError) as err:
         say(f"error: {err}")
+        if new_folder:
+            remove_refused_launch(run_dir, "train.log")
         sys.exit(2)
     except SIGTERMException:
         # Lightning stops on SIGTERM (scancel, preemption) with a SystemExit of code 0: a sweep went on as if the

@@ -297,6 +297,23 @@ def test_every_train_command_in_the_readme_composes(tmp_path):
         compose_train(overrides, tmp_path / "run")  # a key the configs do not have fails here
 
 
+def test_a_refused_launch_leaves_no_run_folder_and_keeps_one_with_a_record(tmp_path):
+    import subprocess
+    import sys
+
+    def launch(*args):
+        return subprocess.run([sys.executable, str(ROOT / "train.py"), "model=tiny", "+optim.warmup=3", *args],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    new, kept = tmp_path / "new", tmp_path / "kept"
+    proc = launch(f"hydra.run.dir={new}")
+    assert proc.returncode == 2 and "optim.warmup" in proc.stderr and not new.exists()
+    (kept / ".hydra").mkdir(parents=True)
+    (kept / "train.log").write_text("data: prepared by an earlier prepare_only=true launch\n")
+    assert launch(f"hydra.run.dir={kept}").returncode == 2
+    assert "prepared by an earlier" in (kept / "train.log").read_text()
+
+
 def test_a_misspelled_key_on_the_command_line_gets_a_did_you_mean():
     import subprocess
     import sys

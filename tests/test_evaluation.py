@@ -917,6 +917,7 @@ def test_a_full_attention_model_run_windowed_needs_a_window(tiny_ckpt, tmp_path)
 def test_evaluate_py_reports_a_missing_checkpoint(tmp_path):
     proc = _run([str(ROOT / "evaluate.py"), f"ckpt={tmp_path / 'nope'}", f"out_dir={tmp_path / 'o'}"], tmp_path)
     assert proc.returncode == 2 and "error: no checkpoint" in proc.stderr
+    assert not (tmp_path / "o").exists()  # a refused launch leaves no output folder behind
     # model.max_seq_len is there for attention=full's placeholder only: a context given there was ignored silently
     proc = _run([str(ROOT / "evaluate.py"), f"ckpt={tmp_path / 'nope'}", "model.max_seq_len=32",
                  f"out_dir={tmp_path / 'o'}"], tmp_path)

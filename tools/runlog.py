@@ -17,6 +17,26 @@ def log_to_file(text: str) -> None:
             handler.handle(logging.LogRecord("train", logging.INFO, __file__, 0, text, None, None))
 
 
+def only_launch_files(run_dir, log_name: str, log_empty: bool = False) -> bool:
+    """Whether Hydra's output folder holds only what it writes at every launch (.hydra/ and the job log, empty if
+    `log_empty`): a folder this launch made, or one no run used."""
+    from pathlib import Path
+
+    run_dir, log = Path(run_dir), Path(run_dir) / log_name
+    return log.is_file() and not (log_empty and log.stat().st_size) and all(
+        entry.name in (".hydra", log_name) for entry in run_dir.iterdir())
+
+
+def remove_refused_launch(run_dir, log_name: str) -> None:
+    """Remove the output folder of a launch refused before it ran (when it holds no more than the launch wrote):
+    no folder of a run that never was. The error was on stderr."""
+    import shutil
+
+    if only_launch_files(run_dir, log_name):
+        logging.shutdown()  # the job log's handler closed before its folder goes
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def say(text: str) -> None:
     """A plain line on stderr and in train.log."""
     print(text, file=sys.stderr, flush=True)
