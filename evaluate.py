@@ -57,7 +57,9 @@ OmegaConf.register_new_resolver("sa_eval_out_dir", eval_out_dir, replace=True)
 
 def _check_eval_config(eval_cfg: dict, hf: bool = False) -> None:
     from evaluation.lm import DTYPES
+    from evaluation.runner import check_num_fewshot
     from model.config import ConfigError
+    from tools.config_hints import refuse_unread_keys
 
     batch = eval_cfg.get("batch_size")
     if not (isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1) and not (hf and batch == "auto"):
@@ -69,6 +71,8 @@ def _check_eval_config(eval_cfg: dict, hf: bool = False) -> None:
     if eval_cfg.get("data_dir") and not Path(eval_cfg["data_dir"]).is_dir():
         raise ConfigError("eval.data_dir", eval_cfg["data_dir"], "no such folder (it holds the task files: "
                           "see evaluation/README.md)")
+    check_num_fewshot(eval_cfg.get("num_fewshot"))
+    refuse_unread_keys(OmegaConf.create({"eval": eval_cfg}))
     if eval_cfg.get("num_seeds") is not None and int(eval_cfg["num_seeds"]) < 1:
         raise ConfigError("eval.num_seeds", eval_cfg["num_seeds"], "must be >= 1 (permutation seeds to average)")
 
@@ -226,7 +230,8 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
         sys.exit(2)
     try:
         tasks = task_names(eval_cfg["tasks"])
-        plan = plan_tasks(tasks, eval_cfg.get("data_dir"), eval_cfg.get("task_dir"))
+        plan = plan_tasks(tasks, eval_cfg.get("data_dir"), eval_cfg.get("task_dir"),
+                          num_fewshot=eval_cfg.get("num_fewshot"))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -258,7 +263,8 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
         results = evaluate_hf(name, kind, window, plan.run, task_manager=plan.task_manager,
                               batch_size=eval_cfg.get("batch_size", 8), limit=eval_cfg.get("limit"), seed=seed,
                               backend=backend, max_length=eval_cfg.get("max_length"),
-                              bootstrap_iters=eval_cfg.get("bootstrap_iters", 1000), model=model, tokenizer=tokenizer)
+                              bootstrap_iters=eval_cfg.get("bootstrap_iters", 1000),
+                              num_fewshot=eval_cfg.get("num_fewshot"), model=model, tokenizer=tokenizer)
         results.update(skipped=plan.skipped, data=plan.source, dtype=str(model.dtype).removeprefix("torch."))
         per_seed.append(results)
         if num_seeds > 1:

@@ -89,9 +89,10 @@ def check_config(cfg: DictConfig):
         raise ConfigError("data.num_workers", cfg.data.num_workers, "DataLoader worker processes, an integer >= 0")
     _check_trainer_and_optim(cfg)
     if cfg.get("eval") and cfg.eval.get("after_train"):  # a misspelled task would fail only after training
-        from evaluation.runner import check_task_names
+        from evaluation.runner import check_num_fewshot, check_task_names
 
         check_task_names(OmegaConf.to_container(cfg.eval, resolve=True)["tasks"])
+        check_num_fewshot(cfg.eval.get("num_fewshot"))
     if cfg.trainer.strategy == "ddp_spawn":  # its workers hand no loop state back to this process
         raise ConfigError("trainer.strategy", cfg.trainer.strategy, "not supported: the spawned workers return no "
                           "step count, so the final checkpoint and validation would be skipped and a resume cannot be "

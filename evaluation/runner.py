@@ -24,7 +24,7 @@ from model.config import STOCHASTIC_KINDS, AttentionConfig, attention_label
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = {"name": "custom", "tasks": ["wikitext", "lambada_openai"], "data_dir": None, "batch_size": 16,
             "limit": None, "num_seeds": 1, "device": "auto", "dtype": None, "max_length": None,
-            "bootstrap_iters": 1000, "task_dir": None, "after_train": False}
+            "bootstrap_iters": 1000, "task_dir": None, "after_train": False, "num_fewshot": None}
 
 
 def default_task_dir(data_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
@@ -47,6 +47,14 @@ def task_names(tasks, key: str = "eval.tasks") -> list[str]:
         example = "eval.tasks=[wikitext,lambada_openai]" if key == "eval.tasks" else f"{key} wikitext,lambada_openai"
         raise ConfigError(key, tasks, f"give task names, e.g. {example}")
     return names
+
+
+def check_num_fewshot(shots) -> None:
+    from model.config import ConfigError
+
+    if shots is not None and (isinstance(shots, bool) or not isinstance(shots, int) or shots < 0):
+        raise ConfigError("eval.num_fewshot", shots, "solved examples before each question, an integer >= 0 (null: "
+                          "each task's own)")
 
 
 def check_task_names(tasks, key: str = "eval.tasks") -> list[str]:
@@ -139,7 +147,7 @@ def official_dirs(tasks: list[str]) -> list[Path] | None:
 
 
 def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Path | None = None,
-               num_fewshot: int | None = None) -> TaskPlan:
+               num_fewshot: int | None = None, fewshot_key: str = "eval.num_fewshot") -> TaskPlan:
     """Decide where each task's data comes from; build the TaskManager lm-eval will use.
 
     Hub tasks keep their official definitions; indexing only their folders (not all ~14k built-in tasks, ~14 s)
@@ -156,7 +164,7 @@ def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Pa
         task_dir = Path(task_dir) if task_dir else default_task_dir(data_dir)
         local = write_local_tasks(data_dir, [t for t in tasks if t in KNOWN_TASKS], task_dir,
                                   cache_dir=task_dir / "hf_datasets")
-        check_fewshot(local, tasks, num_fewshot, "num_fewshot")
+        check_fewshot(local, tasks, num_fewshot, fewshot_key)
         plan.notes += local.notes
         for name, yaml_path in local.available.items():
             plan.source[name] = f"local:{yaml_path}"
@@ -227,7 +235,8 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    plan = plan_tasks(tasks, cfg["data_dir"], cfg["task_dir"])  # before the model loads: it refuses bad names
+    # before the model loads: it refuses bad names, and shots a local test-only task cannot give
+    plan = plan_tasks(tasks, cfg["data_dir"], cfg["task_dir"], num_fewshot=cfg["num_fewshot"])
 
     overrides = {k: v for k, v in dict(attention_overrides or {}).items() if v is not None}
     dtype = cfg["dtype"] if cfg["dtype"] not in (None, "auto") else "float32"  # a checkpoint's own: fp32 weights
@@ -276,7 +285,7 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         t0 = time.time()
         results = lm_eval.simple_evaluate(model=lm, tasks=plan.run, task_manager=plan.task_manager,
                                           limit=cfg["limit"], bootstrap_iters=int(cfg["bootstrap_iters"]),
-                                          log_samples=False)
+                                          num_fewshot=cfg["num_fewshot"], log_samples=False)
         seconds.append(time.time() - t0)
         log(f"eval: seed {seed}: {len(plan.run)} task(s) in {seconds[-1]:.0f} s")
         per_seed.append(extract(results, plan.run))

@@ -109,7 +109,7 @@ def _task_setup(tasks, data_dir, task_manager, task_dir=None, num_fewshot=None):
     if data_dir is not None and names:
         from evaluation.runner import plan_tasks  # offline task definitions of this repository (eval.data_dir)
 
-        plan = plan_tasks(names, data_dir, task_dir, num_fewshot=num_fewshot)
+        plan = plan_tasks(names, data_dir, task_dir, num_fewshot=num_fewshot, fewshot_key="num_fewshot")
         for note in plan.notes:
             log.info("eval: %s", note)
         return plan.run + [t for t in tasks if not isinstance(t, str)], plan.task_manager, plan.skipped

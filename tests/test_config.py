@@ -128,6 +128,8 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("+trainer.gradient_clip_val=1.0", "trainer.gradient_clip_val"),
         ("+optim.warmup=10", "optim.warmup"),
         ("+data.source.text_feild=body", "data.source.text_feild"),
+        ("+eval.fewshot=5", "eval.fewshot"),  # zero-shot scores under a five-shot name
+        ("eval.after_train=true eval.num_fewshot=-1", "eval.num_fewshot"),
         ("trainer.strategy=ddp_spawn", "trainer.strategy"),  # its workers return no step: the last save was skipped
         ("seed=abc", "seed"),
         ("data.tokenizer.vocab_size=600", "model.vocab_size"),  # tiny's 512: refused after tokenizing the corpus
@@ -335,9 +337,9 @@ def test_an_added_key_nothing_reads_is_refused_with_the_key_it_meant(tmp_path, c
         check_config(compose_train(TINY + ["+optim.zzz=1"], tmp_path, corpus_file))
 
 
-@pytest.mark.parametrize("section", ["trainer", "optim", "data"])
+@pytest.mark.parametrize("section", ["trainer", "optim", "data", "eval"])
 def test_the_read_keys_cover_every_preset(section):
-    """Every key a preset sets in trainer, optim or data is one train.py reads (else check_config refuses it)."""
+    """Every key a preset sets in trainer, optim, data or eval is one that is read (else check_config refuses it)."""
     from tools.config_hints import READ_KEYS
 
     for path in sorted((ROOT / "conf").rglob("*.yaml")):

@@ -15,6 +15,7 @@ import math
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -471,8 +472,6 @@ def test_every_local_task_scores_a_few_examples(salm, evaldata, tmp_path):
 
 
 def test_local_few_shot_examples_come_from_a_dev_file_never_from_the_test_split(evaldata, tmp_path):
-    import shutil
-
     from lm_eval.tasks import TaskManager
 
     from evaluation.local_tasks import write_local_tasks
@@ -677,6 +676,24 @@ def test_evaluate_checkpoint_writes_json_and_table_with_seed_spread(tiny_ckpt, e
                                            "hellaswag/acc_norm"]
     assert "tasks)" not in table  # every accuracy column is in the average
     assert "eval: window 4 (trained with 8" in capsys.readouterr().err
+
+
+def test_evaluate_checkpoint_runs_the_shots_asked_for(tiny_ckpt, evaldata, tmp_path):
+    from evaluation import evaluate_checkpoint
+    from model.config import ConfigError
+
+    folder = shutil.copytree(evaldata[0], tmp_path / "evaldata")
+    (folder / "arc" / "ARC-Easy-Dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in
+                                                             arc_rows(make_truth(seed=9)["arc_easy"])))
+    cfg = {"tasks": ["arc_easy"], "data_dir": str(folder), "limit": 3, "num_fewshot": 2, "device": "cpu",
+           "task_dir": str(tmp_path / "tasks")}
+    summary = evaluate_checkpoint(tiny_ckpt, cfg, None, tmp_path / "out")
+    raw = json.loads((tmp_path / "out" / "lm_eval" / "seed0.json").read_text())
+    assert raw["configs"]["arc_easy"]["num_fewshot"] == 2 and summary["num_fewshot"] == 2  # what lm-eval ran
+    assert ", 2-shot, " in summary["table"]
+    with pytest.raises(ConfigError, match="no non-test split") as err:  # PIQA's examples would be its test questions
+        evaluate_checkpoint(tiny_ckpt, dict(cfg, tasks=["piqa"]), None, tmp_path / "refused")
+    assert err.value.key == "eval.num_fewshot"
 
 
 def test_unreachable_data_is_one_line_and_not_an_error(tiny_ckpt, evaldata, tmp_path, capsys):

@@ -5,7 +5,7 @@ adds the typo as a new key. The entry points run their Hydra main through `run_w
 an error, the config is composed again with the command line's group choices only (`attention=sa`,
 `experiment=...`) and every dotted key the command line sets that the config lacks is named with its closest keys.
 A launch that works pays nothing. A key added with `+` where nothing reads one (`+trainer.gradient_clip_val=1`,
-Lightning's name for optim.grad_clip) is refused by `refuse_unread_keys`, which train.py's check_config calls.
+Lightning's name for optim.grad_clip) is refused by `refuse_unread_keys`, which train.py and evaluate.py call.
 """
 
 from __future__ import annotations
@@ -107,6 +107,8 @@ READ_KEYS = {
              "cache_dir", "probes"),
     "data.source": ("kind", "paths", "text_field", "streaming", "name", "config", "split", "revision"),
     "data.tokenizer": ("path", "vocab_size", "train_chars"),
+    "eval": ("name", "tasks", "data_dir", "batch_size", "limit", "num_seeds", "num_fewshot", "after_train", "device",
+             "dtype", "max_length", "bootstrap_iters", "task_dir"),
 }
 # Lightning's (and other trainers') names for what this config spells otherwise
 ELSEWHERE = {"trainer.gradient_clip_val": "optim.grad_clip", "trainer.max_epochs": "trainer.max_steps",
@@ -117,12 +119,14 @@ ELSEWHERE = {"trainer.gradient_clip_val": "optim.grad_clip", "trainer.max_epochs
              "optim.gradient_accumulation_steps": "trainer.accumulate_grad_batches",
              "optim.beta1": "optim.betas", "optim.beta2": "optim.betas", "optim.max_lr": "optim.lr",
              "optim.learning_rate": "optim.lr", "data.micro_batch_size": "data.batch_size",
-             "data.block_size": "data.seq_len", "data.context_length": "data.seq_len"}
+             "data.block_size": "data.seq_len", "data.context_length": "data.seq_len",
+             "eval.fewshot": "eval.num_fewshot", "eval.shots": "eval.num_fewshot", "eval.n_shot": "eval.num_fewshot",
+             "eval.seeds": "eval.num_seeds"}
 
 
 def refuse_unread_keys(cfg) -> None:
-    """Raise ConfigError for a key of trainer, optim or data that nothing reads: added with `+` (Hydra's own advice
-    for a misspelled key), it would be ignored in silence and the run would train without it."""
+    """Raise ConfigError for a key of trainer, optim, data or eval that nothing reads: added with `+` (Hydra's own
+    advice for a misspelled key), it would be ignored in silence and the run would go on without it."""
     from omegaconf import DictConfig, OmegaConf
 
     from model.config import ConfigError
@@ -137,7 +141,7 @@ def refuse_unread_keys(cfg) -> None:
             full = f"{section}.{key}"
             close = ELSEWHERE.get(full) or next(iter(difflib.get_close_matches(str(key), read, n=1, cutoff=0.6)), None)
             close = f"{section}.{close}" if close and "." not in close else close
-            raise ConfigError(full, node._get_node(key)._value(), "not a key train.py reads: it would be ignored "
+            raise ConfigError(full, node._get_node(key)._value(), "a key nothing reads: it would be ignored "
                               f"(remove the +{full}=...)" + (f"; did you mean {close}?" if close else
                                                                f"; the keys of {section}: {', '.join(read)}"))
 
