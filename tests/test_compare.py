@@ -394,6 +394,22 @@ def test_evals_past_the_trained_context_are_keyed_apart(tmp_path):
     assert read_evals(run) == {"wikitext/word_perplexity": 5.0, "wikitext/word_perplexity [context=256]": 9.0}
 
 
+def test_few_shot_scores_are_keyed_apart_from_zero_shot(tmp_path):
+    from tools.runs import read_evals
+
+    run = _fake_run(tmp_path, "r", window=8, rows=[(0, 9, 2.0, 960, "")])
+    # oldest first: tasks at their own shots (a dict), then zero-shot, then five-shot
+    for age, (folder, shots, value) in enumerate((("own", {"mmlu": 0, "gsm8k": 5}, 0.26), ("zero", 0, 0.25),
+                                                  ("five", 5, 0.31))):
+        (run / "eval" / folder).mkdir(parents=True)
+        (run / "eval" / folder / "results.json").write_text(json.dumps(
+            {"checkpoint": str(run / "checkpoints" / "last.ckpt"), "num_fewshot": shots,
+             "results": [{"task": "mmlu", "metric": "acc", "value": value}]}))
+        os.utime(run / "eval" / folder / "results.json", (1e9 + age, 1e9 + age))
+    # five-shot never replaces the zero-shot score; a task's own shots are its usual score
+    assert read_evals(run) == {"mmlu/acc": 0.25, "mmlu/acc [shots=5]": 0.31}
+
+
 def test_steps_tokens_and_curves_of_runs_that_stop_between_log_rows(tmp_path):
     from tools.runs import load_run
 

@@ -51,9 +51,9 @@ def _final_checkpoint(run_dir: Path) -> Path | None:
 
 def _attention_label(data: dict, trained: dict | None) -> str:
     """"" for results at the attention and context the run trained with, on whole evaluation sets, else what
-    differs: " [window=64]", " [context=4096]", " [limit=10]", " [eval_seed=5]" (a window sweep at evaluation, a
-    smoke test on 10 examples or another draw of SA's permutations is another column, never the trained model's
-    score)."""
+    differs: " [window=64]", " [context=4096]", " [limit=10]", " [eval_seed=5]", " [shots=5]" (a window sweep at
+    evaluation, a smoke test on 10 examples, another draw of SA's permutations or a few-shot score is another column,
+    never the trained model's zero-shot score)."""
     from model.config import STOCHASTIC_KINDS
 
     used = data.get("attention") or {}
@@ -69,6 +69,9 @@ def _attention_label(data: dict, trained: dict | None) -> str:
         diff.append(f"context={data['max_length']}")
     if data.get("limit"):
         diff.append(f"limit={data['limit']}")
+    shots = data.get("num_fewshot")  # one number when every task ran with it (eval.num_fewshot)
+    if isinstance(shots, int) and not isinstance(shots, bool) and shots > 0:
+        diff.append(f"shots={shots}")
     for key, value in (data.get("setting") or {}).items():  # an analysis run otherwise than its default
         diff.append(f"{key}={value}")  # in full: books.jsonl in two folders are two texts
     return f" [{', '.join(diff)}]" if diff else ""
