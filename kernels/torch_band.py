@@ -89,6 +89,7 @@ class _BandedSDPA(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # computed by hand, no graph: a second order raises, not drops
     def backward(ctx, grad_out):
         mask, perm, inv, *saved = ctx.saved_tensors
         B, H, n, D, left, right, block, scale = ctx.shape

@@ -649,6 +649,7 @@ class _TritonBandedAttention(torch.autograd.Function):
         return o
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' gradients have no graph: a second order raises
     def backward(ctx, do):
         q, k, v, o, lse, perm_t = ctx.saved_tensors
         left, right, spb, scale = ctx.band

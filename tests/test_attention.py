@@ -515,3 +515,17 @@ def test_full_attention_with_grouped_kv_heads_matches_the_reference(Hkv, monkeyp
     grads = torch.autograd.grad(ours, (q, k, v), g)
     for got, want in zip(grads, torch.autograd.grad(ref, (q, k, v), g)):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_second_order_gradient_raises_instead_of_dropping_terms(backend, monkeypatch):
+    """The hand-written backwards return gradients without a graph: under create_graph=True their own gradient was
+    silently zero (d/dk of |dq|^2: 7.1 for 182.7), now it is an error."""
+    import kernels.torch_band as torch_band
+
+    monkeypatch.setattr(torch_band, "DENSE_MAX_N", 0)  # the blocked layout, whose CPU backward is by hand
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 24, 16, seed=5))
+    out = banded_attention(q, k, v, 4, perm=torch.randperm(24), backend=backend)
+    dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.square().sum().backward()
