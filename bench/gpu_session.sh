@@ -58,8 +58,10 @@ fi
 if want tests; then
     # -v: under xdist a run stopped at its limit prints no summary; the per-test lines say what passed
     echo "== tests: the GPU-only kernel tests (bf16 long sequences, head dims 32-256, the torch backend on CUDA,"
-    echo "   bitwise deterministic backward), one pinned config"
-    SA_TRITON_AUTOTUNE=0 timeout "$(lim "${TEST_TIMEOUT:-100}")" $PY -m pytest -v -k "gpu or deterministic" \
+    echo "   bitwise deterministic backward, every autotune config; padded slots, rectangular and interior tiles"
+    echo "   compiled), one pinned config elsewhere"
+    SA_TRITON_AUTOTUNE=0 timeout "$(lim "${TEST_TIMEOUT:-150}")" $PY -m pytest -v \
+        -k "gpu or deterministic or padded_slots or rectangular_tiles or interior_tiles" \
         $XDIST -o addopts="" tests/test_kernels_triton.py \
         tests/test_attention.py::test_torch_backend_on_cuda_matches_the_reference > "$OUT/tests.log" 2>&1
     status tests $?; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/tests.log" | tail -20

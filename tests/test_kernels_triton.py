@@ -371,6 +371,41 @@ def test_gpu_bf16_long_sequence(kind, w):
     check_against_naive(qkv, do, left, right, make_perm(kind, B, n, gen), torch.bfloat16, tol=2e-2)
 
 
+def _all_autotune_configs():
+    import kernels.triton_band as tb
+
+    lists = (tb._FWD_CONFIGS, tb._DQ_CONFIGS, tb._DKDV_CONFIGS)
+    return [tuple(configs[min(i, len(configs) - 1)] for configs in lists) for i in range(max(map(len, lists)))]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("index", range(len(_all_autotune_configs())) if CUDA and not INTERPRET else [])
+def test_gpu_every_autotune_config_matches_the_reference(tb, monkeypatch, index):
+    """Each config the autotuner may pick (tiles, warps, stages), compiled, at a ragged n with a band narrower than
+    a tile and one several tiles wide, in bf16 and fp16, split loops on and off: the tests above pin one config."""
+    import triton
+
+    fwd, dq, dkdv = _all_autotune_configs()[index]
+    chosen = {tb._fwd_kernel: fwd, tb._dq_kernel: dq, tb._dkdv_kernel: dkdv}
+
+    def launch(kernel, heads_batch, args, kwargs, block_axis, n, row_bytes):
+        config = chosen[kernel]
+        cfg = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+        kernel[(triton.cdiv(n, cfg[block_axis]), *heads_batch)](*args, **kwargs, **cfg)
+
+    monkeypatch.setattr(tb, "_launch", launch)
+    for name, kernel in (("_fwd", tb._fwd_kernel), ("_dq", tb._dq_kernel), ("_dkdv", tb._dkdv_kernel)):
+        monkeypatch.setattr(tb, name, kernel)
+    monkeypatch.setattr(tb, "_SPLIT", index % 2 == 0)
+    dtype = torch.bfloat16 if index % 2 == 0 else F16
+    gen = torch.Generator().manual_seed(100 + index)
+    qkv, do = make_inputs(2, 4, 2, 1999, 64, dtype, gen)
+    for w in (24, 300):
+        check_against_naive(qkv, do, *default_band(w, True), make_perm("batch", 2, 1999, gen), dtype, tol=2e-2)
+    check_against_naive(qkv, do, *default_band(300, False), None, dtype, tol=2e-2)
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("D", [32, 128, 256])
