@@ -109,6 +109,9 @@ class SALM(TemplateLM):
             log.warning("sa-lm has no automatic batch size; using 16")
             batch_size = 16
         self.batch_size = max(1, int(batch_size))
+        # loglikelihood requests scored, and those whose context lost its left end to max_length (a few-shot
+        # prompt longer than the context loses its first examples): evaluation.runner says how many
+        self.requests_scored = self.contexts_cut = 0
 
     # ------------------------------------------------------------------ properties lm-eval reads
     @property
@@ -185,6 +188,8 @@ class SALM(TemplateLM):
             # continuation) is conditioned on EOS, like an empty one; otherwise the first token would be read off
             # whatever sits at the row's last slot (a pad, in a batch).
             context_enc, continuation_enc = list(context_enc) or [self.prefix_token_id], list(continuation_enc)
+            self.requests_scored += 1
+            self.contexts_cut += len(context_enc) + min(len(continuation_enc), self.max_length) > self.max_length + 1
             # A continuation longer than the model's context is scored in consecutive pieces of max_length tokens,
             # each conditioned on as much preceding text as fits (lm-eval's HFLM refuses such requests).
             for piece in range(0, len(continuation_enc), self.max_length):

@@ -279,9 +279,10 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
     if plan.skipped:
         log(skipped_line(plan.skipped, cfg["data_dir"]))
 
-    per_seed, raw_dir, seconds, shots = [], out_dir / "lm_eval", [], 0
+    per_seed, raw_dir, seconds, shots, cut = [], out_dir / "lm_eval", [], 0, None
     for seed in seeds if plan.run else []:
         lm.eval_seed = seed
+        lm.requests_scored = lm.contexts_cut = 0
         t0 = time.time()
         results = lm_eval.simple_evaluate(model=lm, tasks=plan.run, task_manager=plan.task_manager,
                                           limit=cfg["limit"], bootstrap_iters=int(cfg["bootstrap_iters"]),
@@ -290,6 +291,12 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         log(f"eval: seed {seed}: {len(plan.run)} task(s) in {seconds[-1]:.0f} s")
         per_seed.append(extract(results, plan.run))
         shots = fewshot_of(results) if len(per_seed) == 1 else shots
+        if len(per_seed) == 1 and lm.contexts_cut:
+            cut = {"requests": lm.contexts_cut, "of": lm.requests_scored}
+            notes.append(f"{lm.contexts_cut} of {lm.requests_scored} scored requests had their context cut to "
+                         f"the last {lm.max_length} tokens" + (f" ({shots}-shot prompts lose their first examples)"
+                                                              if isinstance(shots, int) and shots > 0 else ""))
+            log(f"eval: {notes[-1]}")
         raw_dir.mkdir(exist_ok=True)
         from lm_eval.utils import handle_non_serializable
 
@@ -322,7 +329,7 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         "dtype": info["dtype"], "batch_size": lm.batch_size, "device": str(lm.device), "max_length": lm.max_length,
         "n_parameters": info["n_parameters"], "seeds": seeds, "limit": cfg["limit"],
         "bootstrap_iters": int(cfg["bootstrap_iters"]), "num_fewshot": shots, "data_dir": cfg["data_dir"],
-        "data": plan.source, "skipped": plan.skipped, "notes": notes,
+        "data": plan.source, "skipped": plan.skipped, "notes": notes, "contexts_cut": cut,
         "results": [{"task": task, "metric": metric, **entry} for task, metrics in combined.items()
                     for metric, entry in metrics.items()],
         "avg_acc": avg_entry, "seconds_per_seed": seconds, "seconds_total": time.time() - started,
@@ -339,6 +346,8 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         footer.append("Cells: mean ± std over SA permutation seeds.")
     if plan.skipped:
         footer.append("Skipped (no data): " + ", ".join(plan.skipped) + ".")
+    if cut:
+        footer.append(f"Contexts cut to {lm.max_length} tokens: {cut['requests']} of {cut['of']} requests.")
     markdown = table + "\n" + "\n".join(footer) + "\n"
     atomic_write_text(out_dir / "results.md", markdown)
     summary.update(table=markdown, json=str(out_dir / "results.json"), markdown=str(out_dir / "results.md"))

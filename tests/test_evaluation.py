@@ -691,6 +691,12 @@ def test_evaluate_checkpoint_runs_the_shots_asked_for(tiny_ckpt, evaldata, tmp_p
     raw = json.loads((tmp_path / "out" / "lm_eval" / "seed0.json").read_text())
     assert raw["configs"]["arc_easy"]["num_fewshot"] == 2 and summary["num_fewshot"] == 2  # what lm-eval ran
     assert ", 2-shot, " in summary["table"]
+    # the prompts cut to the tiny model's context are counted: zero-shot fits, two shots do not
+    zero = evaluate_checkpoint(tiny_ckpt, dict(cfg, num_fewshot=0), None, tmp_path / "zero")
+    total = sum(len(r["choices"]["text"]) for r in make_truth()["arc_easy"][:3])  # 4 + 5 + 4
+    assert zero["contexts_cut"] is None and summary["contexts_cut"] == {"requests": total, "of": total}
+    assert f"Contexts cut to 64 tokens: {total} of {total} requests." in summary["table"]
+    assert "(2-shot prompts lose their first examples)" in " ".join(summary["notes"])
     with pytest.raises(ConfigError, match="no non-test split") as err:  # PIQA's examples would be its test questions
         evaluate_checkpoint(tiny_ckpt, dict(cfg, tasks=["piqa"]), None, tmp_path / "refused")
     assert err.value.key == "eval.num_fewshot"
