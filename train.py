@@ -517,6 +517,25 @@ def _validation_missed(run_dir: Path, step: int | None, every: int, own_run: boo
     return not path.is_file() or step not in read_metrics(path).get("val/loss", {})
 
 
+def _logged_val_loss(run_dir: Path, step: int) -> float | None:
+    """The val/loss the run's own log holds at `step`, if any."""
+    from tools.runs import read_metrics
+
+    path = run_dir / "metrics.csv"
+    return read_metrics(path).get("val/loss", {}).get(step) if path.is_file() else None
+
+
+def _evaluated_at(out_dir: Path, step: int) -> Path | None:
+    """The results.json of eval.after_train's suite if it scored the checkpoint of `step`."""
+    import json
+
+    path = out_dir / "results.json"
+    try:
+        return path if json.loads(path.read_text()).get("checkpoint_step") == step else None
+    except (OSError, ValueError):
+        return None
+
+
 def _checkpoint_meta(path: str | None) -> dict | None:
     """What train() reads of a checkpoint it resumes or starts from, before the weights load: its hyper-parameters,
     tokenizer and step (one read; mmap, so the weights stay on disk)."""
@@ -841,6 +860,12 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
         if aside is not None:
             console.print(f"[yellow]{run_dir}[/] held an earlier run's files: moved to {aside}")
     resume_step = source["global_step"] if resuming else None
+    # a relaunch of a run that reached trainer.max_steps (a requeued job, a sweep run again) trains nothing: what
+    # its log and eval/ already hold is not validated or evaluated again (a second row at the same step)
+    finished = resuming and int(resume_step) >= max_steps
+    if finished:
+        console.print(f"resume: the run finished at step {resume_step} (trainer.max_steps={max_steps}); raise "
+                      "trainer.max_steps to train on")
     if resuming:  # Lightning warns about the run's own checkpoints/ (a new run's earlier files were moved aside)
         warnings.filterwarnings("ignore", message=f"Checkpoint directory {re.escape(os.path.realpath(ckpt_dir))} "
                                 "exists and is not empty")
@@ -895,13 +920,21 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
             prune.prune()
         if trainer.strategy.reduce_boolean_decision(sigterm.signalled, all=False):  # came after the last step
             raise SIGTERMException()  # the final checkpoint is saved: no validation or evaluation after it
-        if trainer.global_step % int(cfg.trainer.val_every_n_steps) and outside_fit:  # the final weights too
-            trainer.validate(module, datamodule=datamodule, verbose=False)
+        logged = _logged_val_loss(run_dir, trainer.global_step) if finished else None
+        if trainer.global_step % int(cfg.trainer.val_every_n_steps) and outside_fit and logged is None:
+            trainer.validate(module, datamodule=datamodule, verbose=False)  # the final weights too
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        if logged is not None and "val/loss" not in metrics:
+            metrics["val/loss"] = logged
         if start_loss is not None:
             metrics["val/loss_at_start"] = float(start_loss)
         if trainer.is_global_zero and cfg.get("eval") and cfg.eval.after_train:
-            metrics.update(_evaluate_after_training(cfg, ckpt_dir / "last.ckpt", run_dir, loggers, trainer, console))
+            done = _evaluated_at(run_dir / "eval" / str(cfg.eval.get("name", "suite")), trainer.global_step)
+            if finished and done:
+                console.print(f"eval: the suite's scores of step {trainer.global_step} are in {done}", markup=False)
+            else:
+                metrics.update(_evaluate_after_training(cfg, ckpt_dir / "last.ckpt", run_dir, loggers, trainer,
+                                                        console))
         ok = True
     finally:
         _finish_wandb(ok)

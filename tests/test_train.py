@@ -124,6 +124,27 @@ def test_a_resume_validates_the_checkpoints_step_when_its_validation_was_never_l
         assert [r["step"] for r in csv.DictReader(f) if r["val/loss"]].count("6") == 1
 
 
+def test_a_relaunch_of_a_finished_run_trains_validates_and_evaluates_nothing_again(tmp_path, corpus_file,
+                                                                                   data_cache, capsys):
+    """A requeued job or a sweep run again: it validated its final weights again (a second row at the same step)
+    and ran the whole eval.after_train suite again."""
+    common = TINY + ["attention=sa", "attention.window=8", "trainer.max_steps=3", "trainer.val_every_n_steps=2",
+                     "trainer.checkpoint_every_n_steps=2", "eval.name=quick"]
+    run = tmp_path / "run"
+    first = train(compose_train(common, run, corpus_file, data_cache))
+    step = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    (run / "eval" / "quick").mkdir(parents=True)  # the suite's scores of the final checkpoint, as evaluate writes them
+    (run / "eval" / "quick" / "results.json").write_text(json.dumps({"checkpoint_step": step, "results": []}))
+    capsys.readouterr()
+    again = train(compose_train(common + ["resume=auto", "eval.after_train=true"], run, corpus_file, data_cache))
+    err = capsys.readouterr().err
+    assert "resume: the run finished at step 3 (trainer.max_steps=3)" in err
+    assert f"eval: the suite's scores of step 3 are in {run / 'eval' / 'quick' / 'results.json'}" in err
+    with open(run / "metrics.csv") as f:
+        assert [r["step"] for r in csv.DictReader(f) if r["val/loss"]] == ["0", "2", "3"]
+    assert again["val/loss"] == pytest.approx(first["val/loss"], abs=1e-6)  # what a sweeper reads: the logged one
+
+
 def test_a_checkpoint_from_before_shuffled_sampling_resumes_its_random_stream(tmp_path, corpus_file, data_cache,
                                                                               capsys):
     """A checkpoint without data.sampling drew its windows with replacement: its resume goes on drawing them so (the
