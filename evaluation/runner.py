@@ -71,6 +71,11 @@ def check_task_names(tasks, key: str = "eval.tasks") -> list[str]:
     return names
 
 
+# the evaldata folders' names (and common short names) of tasks lm-eval names otherwise
+TASK_ALIASES = {"siqa": "social_iqa", "obqa": "openbookqa", "wikitext2": "wikitext", "wikitext-2": "wikitext",
+                "arc_e": "arc_easy", "arc_c": "arc_challenge", "lambada_test": "lambada_openai"}
+
+
 def _refuse_unknown(tasks: list[str], task_manager, key: str = "eval.tasks") -> None:
     """A misspelled name is a config error, not a task whose data could not be found."""
     import difflib
@@ -82,7 +87,7 @@ def _refuse_unknown(tasks: list[str], task_manager, key: str = "eval.tasks") -> 
     lookup = set(known)
     problems = []
     for name in (t for t in tasks if t not in lookup):
-        close = difflib.get_close_matches(name, known, n=1)
+        close = [TASK_ALIASES[name]] if name in TASK_ALIASES else difflib.get_close_matches(name, known, n=1)
         problems.append(f"unknown task {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
     if problems:
         raise ConfigError(key, tasks, "; ".join(problems) + f" (local tasks: {', '.join(KNOWN_TASKS)}; "

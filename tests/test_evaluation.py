@@ -774,6 +774,8 @@ def test_a_misspelled_task_is_refused_before_the_model_loads(evaldata, tmp_path)
     with pytest.raises(ConfigError, match=r"unknown task 'hellaswg'; did you mean 'hellaswag'\?") as err:
         evaluate_checkpoint(tmp_path / "no.ckpt", cfg, None, tmp_path / "out")  # no checkpoint: it never loads
     assert err.value.key == "eval.tasks"
+    with pytest.raises(ConfigError, match=r"unknown task 'siqa'; did you mean 'social_iqa'\?"):  # evaldata's folder
+        evaluate_checkpoint(tmp_path / "no.ckpt", dict(cfg, tasks=["siqa"]), None, tmp_path / "out")
     # Names that are all local ones need no index of lm-eval's ~14k tasks (~14 s).
     assert len(plan_tasks(["hellaswag", "piqa"], evaldata[0], tmp_path / "tasks").task_manager.all_tasks) < 5
 
