@@ -42,7 +42,7 @@ def sample(cfg: DictConfig, given: set[str] | None = None) -> list[str]:
     import torch
 
     from model.checkpoint import load_checkpoint
-    from model.config import attention_from_command_line, trained_window_unless_given
+    from model.config import attention_from_command_line, attention_label, trained_window_unless_given
     from model.generate import generate
 
     check_sample_config(cfg)
@@ -52,11 +52,11 @@ def sample(cfg: DictConfig, given: set[str] | None = None) -> list[str]:
         attention = trained_window_unless_given(attention, given)
     loaded = load_checkpoint(cfg.ckpt, attention=attention or None, device=device)
     trained = loaded.hparams.get("attention") or {}
-    changed = [f"{k} {trained[k]} -> {v}" for k, v in attention.items() if k in ("kind", "window")
-               and k in trained and trained[k] != v]
-    if changed:
-        print(f"note: sampling with another attention than the checkpoint was trained with ({', '.join(changed)})",
-              file=sys.stderr)
+    # as tables name them: a full-attention model has no window (its config's is a placeholder)
+    now = attention_label(loaded.model.attn_cfg.kind, loaded.model.attn_cfg.window)
+    was = attention_label(trained.get("kind"), trained.get("window"))
+    if trained.get("kind") is not None and now != was:
+        print(f"note: sampling as {now}; the checkpoint was trained as {was}", file=sys.stderr)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     prompt = loaded.tokenizer.encode(cfg.prompt, add_special_tokens=False).ids if cfg.prompt else [loaded.eos_id]
     generator = torch.Generator(device=device).manual_seed(int(cfg.seed))

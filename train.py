@@ -19,7 +19,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from model.config import attention_tag, window_tag
+from model.config import attention_label, attention_tag, window_tag
 from tools.runlog import RunConsole, say, warnings_to_log
 
 ROOT = Path(__file__).resolve().parent
@@ -613,7 +613,8 @@ def _init_weights(module, init: str, tokenizer_json: str, console) -> None:
     note = ("; the gates start at 0.5" if loaded["new_gates"] else
             "; its gates are dropped" if loaded["dropped_gates"] else "")
     console.print(f"[bold]init_from[/]: weights of {init} (step {loaded['step']}, trained as "
-                  f"{trained.get('kind')} w={trained.get('window')}{note}); step 0, a fresh optimizer and schedule")
+                  f"{attention_label(trained.get('kind'), trained.get('window'))}{note}); step 0, a fresh optimizer "
+                  "and schedule")
 
 
 # what makes two runs' training windows the same windows in the same order (data.tokenizer: init_from uses the
