@@ -11,6 +11,7 @@ line on stderr says which and how to fix it; the rest still runs.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -151,6 +152,13 @@ def official_dirs(tasks: list[str]) -> list[Path] | None:
     return list(dict.fromkeys(dirs))
 
 
+def _default_metric_note(record) -> bool:
+    """False for lm-eval's notes that a task's metric takes the registry's default aggregation or direction
+    (wikitext's three perplexities, six lines at every evaluation): the official task means those defaults."""
+    message = str(record.msg)
+    return not ("is defined, but aggregation is not" in message or "is defined, but higher_is_better is not" in message)
+
+
 def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Path | None = None,
                num_fewshot: int | None = None, fewshot_key: str = "eval.num_fewshot") -> TaskPlan:
     """Decide where each task's data comes from; build the TaskManager lm-eval will use.
@@ -162,6 +170,10 @@ def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Pa
     from lm_eval.tasks import TaskManager
 
     from evaluation.local_tasks import KNOWN_TASKS, check_fewshot, write_local_tasks
+
+    task_log = logging.getLogger("lm_eval.api.task")
+    if _default_metric_note not in task_log.filters:
+        task_log.addFilter(_default_metric_note)
 
     plan = TaskPlan(run=[], source={})
     local = None

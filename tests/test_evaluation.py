@@ -780,6 +780,22 @@ def test_a_misspelled_task_is_refused_before_the_model_loads(evaldata, tmp_path)
     assert len(plan_tasks(["hellaswag", "piqa"], evaldata[0], tmp_path / "tasks").task_manager.all_tasks) < 5
 
 
+def test_lm_evals_notes_on_default_metric_settings_are_quiet(evaldata, tmp_path, caplog):
+    """wikitext's official YAML names its perplexities without aggregation or direction: six warnings at every
+    evaluation that meant the registry's defaults; other warnings of the same logger still show."""
+    import logging
+
+    from evaluation.runner import plan_tasks
+
+    plan_tasks(["wikitext"], evaldata[0], tmp_path / "tasks")
+    task_log = logging.getLogger("lm_eval.api.task")
+    with caplog.at_level(logging.WARNING, logger="lm_eval.api.task"):
+        task_log.warning("[Task: wikitext] metric bits_per_byte is defined, but aggregation is not. using default")
+        task_log.warning("[Task: wikitext] metric bits_per_byte is defined, but higher_is_better is not. using default")
+        task_log.warning("[Task: wikitext] something else")
+    assert [r.getMessage() for r in caplog.records] == ["[Task: wikitext] something else"]
+
+
 def _run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
            "TOKENIZERS_PARALLELISM": "false"}
