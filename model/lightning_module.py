@@ -166,6 +166,7 @@ class LitDecoder(L.LightningModule):
         self._params_non_embedding = self.model.num_parameters(non_embedding=True)
         self._loss_sum, self._loss_count = None, 0  # the micro-batch losses of the current optimizer step
         self._loss_weight = 0  # the targets they count
+        self._step_positions = 1  # target positions of the step's first micro-batch (data.loss_only_after's scale)
         self.tokenizer_json: str | None = None  # saved inside every checkpoint, so a checkpoint alone can be evaluated
         # data.loss_only_after: the loss counts only the target right after each occurrence of this token (its id).
         self.loss_only_after: str | None = None
@@ -297,9 +298,7 @@ class LitDecoder(L.LightningModule):
     def _loss(self, batch):
         """(mean loss over the counted targets, their number, how many of them greedy decoding gets right or None).
 
-        With data.loss_only_after each micro-batch is the mean over its own answers (no host sync); one without
-        any contributes a zero loss and no gradient. The gradient of an accumulated step is then the mean of its
-        micro-batches' means (a micro-batch of 1 answer weighs as much as one of 50); train/loss is over answers.
+        With data.loss_only_after the mean is over the micro-batch's answers; one without any gives a zero loss.
         """
         tokens, targets = batch[:, :-1], batch[:, 1:]
         hidden, head = self.model.hidden_states(tokens), self.model.lm_head.weight
@@ -317,10 +316,18 @@ class LitDecoder(L.LightningModule):
     def training_step(self, batch, batch_idx):
         loss, count, _ = self._loss(batch)  # checked once per optimizer step (on_before_optimizer_step)
         trainer = self.trainer
-        tokens_per_step = batch[:, :-1].numel() * trainer.world_size * trainer.accumulate_grad_batches
+        positions = batch[:, :-1].numel()
+        tokens_per_step = positions * trainer.world_size * trainer.accumulate_grad_batches
+        if not self._loss_count:
+            self._step_positions = positions
         self._add_to_step_loss(loss.detach(), count)
         self.log("train/tokens", float((self.global_step + 1) * tokens_per_step))
-        return loss
+        if self.loss_after_id is None:
+            return loss
+        # The answers' summed loss over a constant: the step's gradient is then the sum over all its answers, which
+        # on_before_optimizer_step divides by their number over every micro-batch and rank (_answer_mean_gradients).
+        # Returning each micro-batch's own mean let one with 1 answer weigh as much as one with 50.
+        return loss * count / self._step_positions
 
     def _add_to_step_loss(self, loss: torch.Tensor, count):
         """train/loss is logged once per optimizer step (on_before_optimizer_step): the mean over the targets its
@@ -332,13 +339,25 @@ class LitDecoder(L.LightningModule):
         self._loss_weight = self._loss_weight + count
         self._loss_count += 1
 
-    def _step_loss(self) -> torch.Tensor:
-        """The step's loss over the targets of every rank (ranks whose micro-batches held fewer answers weigh less)."""
+    def _step_loss(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's loss over the targets of every rank (ranks whose micro-batches held fewer answers weigh less),
+        and the number of those targets."""
         totals = torch.stack([self._loss_sum.float(), torch.as_tensor(self._loss_weight, dtype=torch.float32,
                                                                       device=self._loss_sum.device)])
         if self._trainer is not None and self.trainer.world_size > 1:
             totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
-        return totals[0] / totals[1].clamp_min(1)
+        return totals[0] / totals[1].clamp_min(1), totals[1]
+
+    def _answer_mean_gradients(self, answers: torch.Tensor) -> None:
+        """data.loss_only_after: turns the step's gradient, a sum over its answers divided by the constant
+        positions x accumulation x world size (Lightning divides by the accumulation, DDP/FSDP average over ranks),
+        into the mean over every answer of the step, as one batch holding all its micro-batches would give.
+        Multiplied on the device (no host sync), before clipping; a step without answers keeps its zero gradient."""
+        trainer = self.trainer
+        scale = self._step_positions * trainer.accumulate_grad_batches * trainer.world_size / answers.clamp_min(1)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale.to(grads[0].device))
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         now = time.perf_counter()
@@ -437,7 +456,7 @@ class LitDecoder(L.LightningModule):
         rank's NaN stops every rank at the same step."""
         self.log("train/lr", optimizer.param_groups[0]["lr"])
         if self._loss_count:
-            loss = self._step_loss()
+            loss, counted = self._step_loss()
             self._loss_sum, self._loss_count, self._loss_weight = None, 0, 0
             if not bool(torch.isfinite(loss)):
                 raise NonFiniteLossError(
@@ -445,6 +464,8 @@ class LitDecoder(L.LightningModule):
                     f"{loss.item()}); stopping before the update. The checkpoints written before it are kept in the "
                     "run's checkpoints/ folder (try a lower optim.lr or a longer warmup)."
                 )
+            if self.loss_after_id is not None:
+                self._answer_mean_gradients(counted)
             self.log("train/loss", loss, prog_bar=True)
 
 

@@ -1055,7 +1055,59 @@ def test_loss_only_after_counts_just_the_following_tokens(chunk):
     assert all(p.grad is None or not p.grad.any() for p in module.parameters())
     module._add_to_step_loss(loss.detach(), torch.tensor(3))  # a step of two micro-batches, the second without an
     module._add_to_step_loss(empty.detach(), counted)  # answer: train/loss is the first one's, not half of it
-    assert abs(module._step_loss().item() - loss.item()) < 1e-6
+    assert abs(module._step_loss()[0].item() - loss.item()) < 1e-6
+
+
+def _answer_step_gradient(micro_batches, accumulate, world_size=1, reduce=None, monkeypatch=None):
+    """The gradient a real fit clips (after on_before_optimizer_step) for one step of data.loss_only_after=token 0."""
+    import lightning as L
+
+    class Recorded(LitDecoder):
+        def configure_gradient_clipping(self, optimizer, *args, **kwargs):
+            self.grads = [p.grad.clone() for p in self.parameters()]
+            super().configure_gradient_clipping(optimizer, *args, **kwargs)
+
+    torch.manual_seed(0)
+    module = Recorded(model=dict(vocab_size=32, n_layers=1, d_model=16, n_heads=2, max_seq_len=16),
+                      attention=dict(kind="swa", window=4), max_steps=1,
+                      optim=dict(lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8, warmup_steps=0,
+                                 min_lr_ratio=0.1))
+    module.loss_after_id = 0
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, max_steps=1,
+                        accumulate_grad_batches=accumulate, enable_progress_bar=False, enable_model_summary=False)
+    if world_size > 1:  # the reduce stands in for the other ranks' answers; DDP's gradient average is theirs too
+        monkeypatch.setattr(type(trainer.strategy), "world_size", property(lambda self: world_size), raising=False)
+        monkeypatch.setattr(trainer.strategy, "reduce", reduce)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(micro_batches, batch_size=None))
+    return module.grads
+
+
+def test_loss_only_after_weighs_every_answer_of_an_accumulated_step_alike():
+    """Two micro-batches, with 1 and 5 answers, give the gradient of one batch holding both: the mean over the 6
+    answers. The mean of the two micro-batches' means weighed the lone answer 5 times as much as each of the others."""
+    torch.manual_seed(1)
+    batches = torch.randint(1, 32, (2, 2, 9))
+    batches[0, 0, 3] = 0
+    batches[1, 0, [1, 4, 6]] = 0
+    batches[1, 1, [2, 5]] = 0
+    whole = _answer_step_gradient([batches.reshape(4, 9)], accumulate=1)
+    accumulated = _answer_step_gradient(list(batches), accumulate=2)
+    assert sum(g.norm() for g in whole) > 0
+    for got, want in zip(accumulated, whole):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_loss_only_after_divides_the_gradient_by_the_answers_of_every_rank(monkeypatch):
+    """With 2 ranks the step's gradient is divided by the answers counted on both: this rank holds 3, the other 9.
+    DDP's average halves each rank's sum and the rescale doubles it back, so this rank's part is its sum / 12, a
+    quarter of its own mean (each rank's own mean, averaged, weighed its 3 answers as much as the other's 9)."""
+    batch = torch.randint(1, 32, (2, 9))
+    batch[0, [2, 6]], batch[1, 3] = 0, 0
+    alone = _answer_step_gradient([batch], accumulate=1)
+    two = _answer_step_gradient([batch], accumulate=1, world_size=2, monkeypatch=monkeypatch,
+                                reduce=lambda t, reduce_op: t + torch.tensor([9.0, 9.0]) if t.shape == (2,) else t)
+    for got, want in zip(two, alone):  # other rank: a loss of 1 on 9 answers. No DDP here: this rank's 2 x sum / 12
+        torch.testing.assert_close(got, want / 2, rtol=1e-5, atol=1e-7)
 
 
 def run_cli(args, cwd, env_extra=None, timeout=600):
