@@ -86,9 +86,12 @@ def cache_key(cfg: dict, spelled_paths: bool = False, folder_files: bool = True)
         tok["sha256"] = hashlib.sha256(Path(tok["path"]).read_bytes()).hexdigest()
     spec = {"source": source, "tokenizer": tok, "val_fraction": cfg["val_fraction"],
             "max_tokens": cfg.get("max_tokens"), "version": format_version(cfg)}
+    if cfg.get("val_split", "index") != "index":  # keyed only when not the default: index caches keep their keys
+        spec["val_split"] = cfg["val_split"]
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+VAL_SPLITS = ("index", "content")  # which documents validation holds: by a hash of their index, or of their text
 WINDOW_STARTS = ("any", "document")  # training and validation windows open at any token, or where a document begins
 SAMPLINGS = ("shuffled", "random")  # training windows: each once per pass in a seeded order, or independent draws
 
@@ -111,6 +114,9 @@ def validate_data_config(cfg: dict) -> None:
     if after is not None and (not isinstance(after, str) or not after):
         raise ConfigError("data.loss_only_after", after,
                           'give the text of one token, e.g. " ?" (quoted), or null to train on every token')
+    if cfg.get("val_split", "index") not in VAL_SPLITS:
+        raise ConfigError("data.val_split", cfg["val_split"], "choose index (a hash of each document's place in the "
+                          "source) or content (a hash of its text: copies of a document stay on one side)")
     fraction = cfg["val_fraction"]
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
         raise ConfigError("data.val_fraction", fraction, "a share of the documents, strictly between 0 and 1")
@@ -133,10 +139,15 @@ def validate_data_config(cfg: dict) -> None:
         raise ConfigError("data.tokenizer.path", tok_path, "no such tokenizer.json; set it to null to train one")
 
 
-def _is_val(doc_index: int, val_fraction: float) -> bool:
-    # A stable hash of the index: streaming-friendly and independent of corpus size.
-    h = int.from_bytes(hashlib.blake2b(str(doc_index).encode(), digest_size=4).digest(), "little")
-    return (h % 100_000) < val_fraction * 100_000
+def _is_val(doc_index: int, text: str, cfg: dict) -> bool:
+    """A stable hash, streaming-friendly and independent of the corpus size. data.val_split=index hashes the
+    document's place in the source; content hashes its text, so every copy of a document lands on the same side
+    (no duplicate leaks from train into validation) and a document keeps its side when files are added or reordered.
+    """
+    by_text = cfg.get("val_split", "index") == "content"
+    key = text.encode("utf-8", "surrogatepass") if by_text else str(doc_index).encode()
+    h = int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
+    return (h % 100_000) < cfg["val_fraction"] * 100_000
 
 
 def _load_prepared(root: Path) -> PreparedData:
@@ -318,7 +329,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
         head, train_texts, chars = [], [], 0
         for doc in docs:
             head.append(doc)
-            if _is_val(len(head) - 1, cfg["val_fraction"]):
+            if _is_val(len(head) - 1, doc, cfg):
                 continue  # held out from the tokenizer too: its merges would fit the validation text
             train_texts.append(doc)
             chars += len(doc)
@@ -368,11 +379,11 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     pending = 0
     with bar or nullcontext():
         for batch in all_docs:
-            for ids in tok.encode_batch(batch, add_special_tokens=False):
+            for text, ids in zip(batch, tok.encode_batch(batch, add_special_tokens=False)):
                 if max_tokens and counts["train"] + counts["val"] >= max_tokens:
                     break  # the limit holds to a document, not to a batch
                 arr = np.asarray(ids.ids + [eos], dtype=dtype)
-                is_val = _is_val(counts["documents"], cfg["val_fraction"])
+                is_val = _is_val(counts["documents"], text, cfg)
                 (val_buf if is_val else train_buf).append(arr)
                 last_train = last_train if is_val else arr.size
                 counts["val" if is_val else "train"] += arr.size
@@ -428,6 +439,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
         "shard_tokens": shard_tokens,
         "val_shard": "val.bin",
         "val_fraction": cfg["val_fraction"],
+        "val_split": cfg.get("val_split", "index"),
         "seconds": elapsed(),
     }
     shards.atomic_write_bytes(root / "meta.json", [json.dumps(meta, indent=2).encode()])

@@ -684,10 +684,64 @@ def test_the_saved_tokenizer_encodes_documents_as_the_shards_hold_them(tmp_path)
     tok = load_tokenizer(prepared.tokenizer_path)
     eos = eos_id(tok)
     assert eos not in tok.encode(docs[7]).ids
-    train = [tok.encode(d).ids for i, d in enumerate(docs) if not _is_val(i, 0.1)]
-    val = [tok.encode(d).ids for i, d in enumerate(docs) if _is_val(i, 0.1)]
+    train = [tok.encode(d).ids for i, d in enumerate(docs) if not _is_val(i, d, {"val_fraction": 0.1})]
+    val = [tok.encode(d).ids for i, d in enumerate(docs) if _is_val(i, d, {"val_fraction": 0.1})]
     assert _tokens_by_document(prepared.train_shards, eos) == train
     assert _tokens_by_document([prepared.val_shard], eos) == val
+
+
+def _split_texts(prepared):
+    """The texts of the training and the validation documents of a preparation, as sets."""
+    from data.tokenizer import eos_id
+
+    tok = load_tokenizer(prepared.tokenizer_path)
+    eos = eos_id(tok)
+    return [{tok.decode(ids) for ids in _tokens_by_document(paths, eos)}
+            for paths in (prepared.train_shards, [prepared.val_shard])]
+
+
+def test_val_split_content_keeps_every_copy_of_a_document_on_one_side(tmp_path):
+    """A web corpus repeats documents: split by index, copies of one document land in both train and validation,
+    and its val loss measures recall. data.val_split=content hashes the text: every copy lands on one side."""
+    docs = [f"document {i} says the {'cat' if i % 2 else 'dog'} sat on mat number {i * 7}" for i in range(40)]
+    corpus = docs + docs[:20]  # the first 20 documents twice
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus))
+    by_index = _split_texts(prepare(data_cfg([path], vocab=280, val_fraction=0.3), tmp_path / "a", progress=False))
+    assert by_index[0] & by_index[1]  # the default split leaks copies into both sides
+    by_text = _split_texts(prepare(data_cfg([path], vocab=280, val_fraction=0.3, val_split="content"),
+                                   tmp_path / "b", progress=False))
+    assert by_text[1] and not by_text[0] & by_text[1] and by_text[0] | by_text[1] == set(docs)
+
+
+def test_val_split_content_keeps_the_held_out_documents_when_a_file_is_added_first(tmp_path):
+    """Files are read in order: a file added before the others shifts every document's index, so an index split held
+    out other documents (training under init_from on the grown corpus saw the old validation). By content, the old
+    documents keep their side."""
+    old, new = tmp_path / "b.jsonl", tmp_path / "a.jsonl"
+    old.write_text("".join(json.dumps({"text": f"old text {i} about the river and the hill {i}"}) + "\n"
+                           for i in range(40)))
+    new.write_text("".join(json.dumps({"text": f"new text {i} about the sea"}) + "\n" for i in range(7)))
+    splits = {}
+    for split in ("index", "content"):
+        before = _split_texts(prepare(data_cfg([old], vocab=280, val_fraction=0.3, val_split=split),
+                                      tmp_path / f"{split}1", progress=False))
+        after = _split_texts(prepare(data_cfg([new, old], vocab=280, val_fraction=0.3, val_split=split),
+                                     tmp_path / f"{split}2", progress=False))
+        splits[split] = before[1], {t for t in after[1] if t.startswith("old")}
+    assert splits["index"][0] != splits["index"][1]
+    assert splits["content"][0] == splits["content"][1] and splits["content"][0]
+
+
+def test_val_split_is_checked_and_only_content_changes_the_cache_key(tmp_path):
+    from data.prepare import cache_key, validate_data_config
+
+    path = tmp_path / "c.txt"
+    path.write_text("text")
+    cfg = data_cfg([path])
+    assert cache_key(cfg) == cache_key({**cfg, "val_split": "index"}) != cache_key({**cfg, "val_split": "content"})
+    with pytest.raises(ConfigError, match="data.val_split"):
+        validate_data_config({**cfg, "val_split": "hash"})
 
 
 def test_single_token_id_ignores_the_post_processor():
@@ -787,9 +841,10 @@ def test_the_tokenizer_is_trained_on_training_documents_only(tmp_path):
     """A word only the validation documents hold gets no token of its own: the tokenizer never saw it."""
     from data.prepare import _is_val
 
-    docs = [" zqxjv" * 60 if _is_val(i, 0.1) else f"plain document number {i} about cats and dogs"
+    by_index = {"val_fraction": 0.1}  # the default data.val_split=index: the text does not count
+    docs = [" zqxjv" * 60 if _is_val(i, "", by_index) else f"plain document number {i} about cats and dogs"
             for i in range(60)]
-    assert any(_is_val(i, 0.1) for i in range(60))
+    assert any(_is_val(i, "", by_index) for i in range(60))
     path = tmp_path / "c.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     prepared = prepare(data_cfg([path], vocab=300), tmp_path / "cache", progress=False)
@@ -801,7 +856,8 @@ def test_a_validation_split_far_below_val_fraction_is_warned_about(tmp_path, cap
     """Whole documents are held out: 43 Gutenberg books at val_fraction 0.05 gave one book, 1.6% of the tokens."""
     from data.prepare import _is_val
 
-    assert not any(_is_val(i, 0.1) for i in range(6))  # the hash split holds out none: the last one is moved
+    # the hash split holds out none: the last one is moved
+    assert not any(_is_val(i, "", {"val_fraction": 0.1}) for i in range(6))
     for name, long_first, warned in (("skewed", 400, True), ("even", 20, False)):
         docs = [f"document {i} " + "words and more words " * (long_first if i == 0 else 20) for i in range(6)]
         path = tmp_path / f"{name}.jsonl"

@@ -102,7 +102,7 @@ READ_KEYS = {
                 "log_every_n_steps", "progress_bar", "activation_checkpointing", "loss_chunk_tokens", "compile"),
     "optim": ("lr", "weight_decay", "betas", "eps", "warmup_steps", "min_lr_ratio", "schedule", "decay_fraction",
               "grad_clip", "tokens_per_step", "schedule_steps"),
-    "data": ("source", "tokenizer", "val_fraction", "max_tokens", "shard_tokens", "seq_len", "sampling",
+    "data": ("source", "tokenizer", "val_fraction", "val_split", "max_tokens", "shard_tokens", "seq_len", "sampling",
              "window_start", "loss_only_after", "batch_size", "val_windows", "val_batch_size", "num_workers",
              "cache_dir", "probes"),
     "data.source": ("kind", "paths", "text_field", "streaming", "name", "config", "split", "revision"),
