@@ -267,6 +267,8 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
                               num_fewshot=eval_cfg.get("num_fewshot"), model=model, tokenizer=tokenizer)
         results.update(skipped=plan.skipped, data=plan.source, dtype=str(model.dtype).removeprefix("torch."))
         per_seed.append(results)
+        if len(per_seed) == 1 and (cut := results.get("contexts_cut")):
+            print(f"eval: {_cut_line(cut, results)}", file=sys.stderr)
         if num_seeds > 1:
             atomic_write_text(out_dir / "lm_eval" / f"seed{seed}.json",
                               json.dumps(results, indent=1, default=handle_non_serializable))
@@ -294,9 +296,17 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
              + " | ".join(cell(c) for c in columns) + " |"]
     if num_seeds > 1:
         lines.append(f"mean ± std over SA seeds {seeds}")
+    if cut := per_seed[0].get("contexts_cut"):
+        lines.append(_cut_line(cut, per_seed[0]))
     atomic_write_text(out_dir / "results.md", "\n".join(lines) + "\n")
     print("\n".join(lines) + f"\nresults: {out_dir / 'results.json'}")
     return None
+
+
+def _cut_line(cut: dict, results: dict) -> str:
+    from evaluation.report import contexts_cut_note, fewshot_of
+
+    return contexts_cut_note(cut, cut["to"], fewshot_of(results))
 
 
 def _perplexities(results: dict) -> dict[str, float]:

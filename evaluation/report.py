@@ -91,6 +91,12 @@ def fewshot_of(lm_eval_results: dict) -> int | dict[str, int]:
     return values.pop() if len(values) == 1 else dict(sorted(shots.items()))
 
 
+def contexts_cut_note(cut: dict, max_length: int, shots) -> str:
+    """The note on requests whose context lost its start to the model's context (cut: {"requests", "of"})."""
+    return (f"{cut['requests']} of {cut['of']} scored requests had their context cut to the last {max_length} tokens"
+            + (f" ({shots}-shot prompts lose their first examples)" if isinstance(shots, int) and shots > 0 else ""))
+
+
 def avg_accuracy(per_task: dict[str, dict[str, dict]]) -> tuple[float | None, list[str]]:
     """Mean of the accuracy columns present (LAMBADA acc included, as in the GLA/Mamba-style tables; with eval=paper
     both LAMBADA variants count, since the paper's table has both and which ones its Avg takes is not known)."""

@@ -244,7 +244,7 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
     import lm_eval
 
     from evaluation.lm import SALM
-    from evaluation.report import avg_accuracy, combine_seeds, extract, fewshot_of, markdown_table
+    from evaluation.report import avg_accuracy, combine_seeds, contexts_cut_note, extract, fewshot_of, markdown_table
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     cfg = {**DEFAULTS, **{k: v for k, v in dict(eval_cfg or {}).items()}}
@@ -310,9 +310,7 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         shots = fewshot_of(results) if len(per_seed) == 1 else shots
         if len(per_seed) == 1 and lm.contexts_cut:
             cut = {"requests": lm.contexts_cut, "of": lm.requests_scored}
-            notes.append(f"{lm.contexts_cut} of {lm.requests_scored} scored requests had their context cut to "
-                         f"the last {lm.max_length} tokens" + (f" ({shots}-shot prompts lose their first examples)"
-                                                              if isinstance(shots, int) and shots > 0 else ""))
+            notes.append(contexts_cut_note(cut, lm.max_length, shots))
             log(f"eval: {notes[-1]}")
         raw_dir.mkdir(exist_ok=True)
         from lm_eval.utils import handle_non_serializable

@@ -87,8 +87,18 @@ def make_lm(model, tokenizer, batch_size=8, max_length: int | None = None, pad_s
                     return self.model(inps, attention_mask=mask.long()).logits
             return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
 
+        def _loglikelihood_tokens(self, requests, *args, **kwargs):
+            # counted as the native path counts them (evaluation.lm.SALM): HFLM keeps the last max_length tokens
+            # of context + continuation and warns once per request, which tells no total
+            for _, context_enc, continuation_enc in requests:
+                self.requests_scored += 1
+                self.contexts_cut += len(context_enc) + len(continuation_enc) > self.max_length + 1
+            return super()._loglikelihood_tokens(requests, *args, **kwargs)
+
     kwargs = {} if max_length is None else {"max_length": int(max_length)}
-    return PrefillHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
+    lm = PrefillHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, **kwargs)
+    lm.requests_scored = lm.contexts_cut = 0
+    return lm
 
 
 def context_length(model, tokenizer, max_length: int | None = None) -> int:
@@ -129,7 +139,8 @@ def evaluate_hf(model_name_or_path, kind: str, window: int | None, tasks_or_task
     converts them into task_dir, default evaluation.runner.default_task_dir); task_manager: an explicit lm_eval
     TaskManager instead. model / tokenizer: an already loaded model (re-patched here) to skip
     loading. Returns lm-eval's results dict (without per-sample logs unless log_samples) plus
-    "sa_prefill" (the settings), "model", "skipped" and "seconds".
+    "sa_prefill" (the settings), "model", "skipped", "seconds" and "contexts_cut" (None, or how many of the scored
+    requests lost the start of their context to the model's max_length).
     """
     import lm_eval
 
@@ -158,6 +169,8 @@ def evaluate_hf(model_name_or_path, kind: str, window: int | None, tasks_or_task
         if not log_samples:
             results.pop("samples", None)
     results["sa_prefill"] = model.sa_prefill.as_dict()
+    results["contexts_cut"] = ({"requests": lm.contexts_cut, "of": lm.requests_scored, "to": int(lm.max_length)}
+                               if lm.contexts_cut else None)
     results["model"] = str(model_name_or_path)
     results["skipped"] = skipped
     results["seconds"] = time.time() - started

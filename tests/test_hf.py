@@ -392,6 +392,20 @@ def test_lm_eval_runs_a_local_task_on_the_patched_model(saved_model):
     assert _loglikelihoods(moba) == pytest.approx(full, abs=1e-4)
 
 
+def test_requests_whose_context_hflm_cuts_are_counted(saved_model):
+    """HFLM keeps the last max_length tokens of a request and warns per request; results say how many were cut, as
+    the native path's do."""
+    from hf.lm_eval_runner import evaluate_hf
+
+    folder, data = saved_model
+    model, tokenizer = load_hf_model(str(folder), "full", None, dtype="float32", device="cpu")
+    common = dict(limit=4, device="cpu", model=model, tokenizer=tokenizer, bootstrap_iters=0)
+    assert evaluate_hf(str(folder), "full", None, [_task(data)], **common)["contexts_cut"] is None
+    prompt = len(tokenizer("Question: what color is the grass\nAnswer:")["input_ids"])
+    short = evaluate_hf(str(folder), "full", None, [_task(data)], max_length=prompt - 2, **common)
+    assert short["contexts_cut"] == {"requests": 16, "of": 16, "to": prompt - 2}  # 4 questions x 4 choices
+
+
 def test_a_resumed_sweep_reruns_a_configuration_whose_settings_changed(saved_model, tmp_path):
     """Resumable: a finished configuration is kept, but one scored on --limit 4 was kept for a run on every example."""
     from hf.lm_eval_runner import sweep
