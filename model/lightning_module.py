@@ -473,6 +473,16 @@ class StepProgressBar(RichProgressBar):
     """Rich's bar for a run counted in steps (max_epochs=-1): it titled the bar "Epoch 0/-2"; now "Epoch 0", the
     pass over the data the bar's batches belong to."""
 
+    @property
+    def total_train_batches(self):
+        """Lightning counts the steps left as batches: under trainer.accumulate_grad_batches=2 a 30-step run's bar
+        read 60/30. A step is that many micro-batches (batches, for the bar)."""
+        trainer = self.trainer
+        if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
+            left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+            return min(trainer.num_training_batches, left)
+        return super().total_train_batches
+
     def _get_train_description(self, current_epoch: int) -> str:
         text = f"Epoch {current_epoch}" + (f"/{self.trainer.max_epochs - 1}" if (self.trainer.max_epochs or 0) > 0
                                            else "")
@@ -481,8 +491,8 @@ class StepProgressBar(RichProgressBar):
 
 def save_step_checkpoint(trainer, ckpt_dir) -> None:
     """step<N>.ckpt and last.ckpt at the step reached, named as ModelCheckpoint names its own."""
-    for name in (f"step{trainer.global_step:07d}.ckpt", "last.ckpt"):
-        trainer.save_checkpoint(ckpt_dir / name)
+    for name in (f"step{trainer.global_step:07d}.ckpt", "last.ckpt"):  # whole (optimizer too): a resume needs it
+        trainer.save_checkpoint(ckpt_dir / name, weights_only=False)
 
 
 class PruneStepCheckpoints(L.Callback):

@@ -687,6 +687,20 @@ def test_the_progress_bar_of_a_run_counted_in_steps_names_no_last_epoch():
     assert bar._get_train_description(1).strip() == "Epoch 1/2"
 
 
+def test_the_progress_bar_counts_micro_batches_of_the_steps_left():
+    """Under accumulation the bar's total is micro-batches: Lightning's (steps left) read 60/30 after a 30-step run."""
+    from types import SimpleNamespace
+
+    from model.lightning_module import StepProgressBar
+
+    bar = StepProgressBar()
+    bar._trainer = SimpleNamespace(max_epochs=-1, max_steps=30, global_step=4, accumulate_grad_batches=2,
+                                   num_training_batches=float("inf"))
+    assert bar.total_train_batches == 52
+    bar._trainer.num_training_batches = 40  # an epoch shorter than what is left
+    assert bar.total_train_batches == 40
+
+
 def test_a_real_fit_stops_on_a_non_finite_loss_without_updating_the_weights():
     import lightning as L
 
