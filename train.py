@@ -11,7 +11,6 @@ import hashlib
 import os
 import re
 import shutil
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -20,7 +19,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from model.config import attention_label, attention_tag, window_tag
-from tools.runlog import RunConsole, say, warnings_to_log
+from tools.runlog import RunConsole, code_revision, say, warnings_to_log
 
 ROOT = Path(__file__).resolve().parent
 # run names and sweep folders: full attention carries no window
@@ -375,15 +374,6 @@ def _fsdp_strategy(cfg, precision: str):
                         mixed_precision=fp32 if "mixed" in precision else None,
                         activation_checkpointing_policy={Block} if cfg.trainer.get("activation_checkpointing")
                         else None)
-
-
-def _git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return rev.stdout.strip() + (" (dirty)" if dirty.stdout.strip() else "") if rev.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _wandb_mode(requested: str) -> str:
@@ -878,7 +868,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
         if overrides is not None:
             atomic_write_text(run_dir / RUN_OVERRIDES, OmegaConf.to_yaml(OmegaConf.create(
                 [o for o in overrides if _override_key(o)[0] not in ("resume", "ckpt_path")])))
-        atomic_write_text(run_dir / "git_revision.txt", _git_revision() + "\n")
+        atomic_write_text(run_dir / "git_revision.txt", code_revision() + "\n")
 
     if resuming:  # recorded once the checkpoint has taken the config (a refused resume leaves the run's record)
         callbacks.append(LambdaCallback(on_train_start=lambda trainer, _: trainer.is_global_zero and record_run()))

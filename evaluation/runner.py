@@ -10,6 +10,7 @@ line on stderr says which and how to fix it; the rest still runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -159,6 +160,22 @@ def _default_metric_note(record) -> bool:
     return not ("is defined, but aggregation is not" in message or "is defined, but higher_is_better is not" in message)
 
 
+@contextlib.contextmanager
+def records_this_code():
+    """lm-eval records `git describe` of the working directory as results.json's git_hash, and outside a git
+    checkout git prints "fatal: not a git repository" into the evaluation's output: record this code's commit."""
+    import lm_eval.evaluator
+
+    from tools.runlog import code_revision
+
+    own, revision = lm_eval.evaluator.get_git_commit_hash, code_revision()
+    lm_eval.evaluator.get_git_commit_hash = lambda: revision
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = own
+
+
 def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Path | None = None,
                num_fewshot: int | None = None, fewshot_key: str = "eval.num_fewshot") -> TaskPlan:
     """Decide where each task's data comes from; build the TaskManager lm-eval will use.
@@ -301,9 +318,10 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         lm.eval_seed = seed
         lm.requests_scored = lm.contexts_cut = 0
         t0 = time.time()
-        results = lm_eval.simple_evaluate(model=lm, tasks=plan.run, task_manager=plan.task_manager,
-                                          limit=cfg["limit"], bootstrap_iters=int(cfg["bootstrap_iters"]),
-                                          num_fewshot=cfg["num_fewshot"], log_samples=False)
+        with records_this_code():
+            results = lm_eval.simple_evaluate(model=lm, tasks=plan.run, task_manager=plan.task_manager,
+                                              limit=cfg["limit"], bootstrap_iters=int(cfg["bootstrap_iters"]),
+                                              num_fewshot=cfg["num_fewshot"], log_samples=False)
         seconds.append(time.time() - t0)
         log(f"eval: seed {seed}: {len(plan.run)} task(s) in {seconds[-1]:.0f} s")
         per_seed.append(extract(results, plan.run))

@@ -162,7 +162,9 @@ def evaluate_hf(model_name_or_path, kind: str, window: int | None, tasks_or_task
                  pad_state=pad_state if kind == "sa" else None)
     results = {}
     if run:
-        with _record_padding(pad_state) if kind == "sa" else contextlib.nullcontext():
+        from evaluation.runner import records_this_code
+
+        with _record_padding(pad_state) if kind == "sa" else contextlib.nullcontext(), records_this_code():
             results = lm_eval.simple_evaluate(model=lm, tasks=run, task_manager=manager, limit=limit,
                                               num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
                                               log_samples=log_samples) or {}

@@ -819,6 +819,11 @@ def test_evaluate_py_on_a_run_directory(tiny_ckpt, evaldata, tmp_path):
     assert saved["attention"]["backend"] == "torch" and saved["limit"] == 3
     assert saved["attention"]["kind"] == "swa" and saved["attention"]["window"] == 8
     assert (out / ".hydra" / "config.yaml").is_file()
+    # launched outside a git checkout: lm-eval's git_hash is this code's commit, and git printed no "fatal:"
+    from tools.runlog import code_revision
+
+    assert json.loads((out / "lm_eval" / "seed0.json").read_text())["git_hash"] == code_revision()
+    assert "fatal:" not in proc.stderr
 
 
 def test_results_of_any_checkpoint_file_go_to_its_run(tmp_path):

@@ -17,6 +17,20 @@ def log_to_file(text: str) -> None:
             handler.handle(logging.LogRecord("train", logging.INFO, __file__, 0, text, None, None))
 
 
+def code_revision() -> str:
+    """This code's git commit ("<sha> (dirty)" with uncommitted changes; "unknown" outside a git checkout)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10)
+        return rev.stdout.strip() + (" (dirty)" if dirty.stdout.strip() else "") if rev.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def only_launch_files(run_dir, log_name: str, log_empty: bool = False) -> bool:
     """Whether Hydra's output folder holds only what it writes at every launch (.hydra/ and the job log, empty if
     `log_empty`): a folder this launch made, or one no run used."""
