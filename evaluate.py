@@ -55,28 +55,6 @@ def eval_out_dir(ckpt, out_dir, suite, stamp, kind=None, window=None, hf=None, o
 OmegaConf.register_new_resolver("sa_eval_out_dir", eval_out_dir, replace=True)
 
 
-def _check_eval_config(eval_cfg: dict, hf: bool = False) -> None:
-    from evaluation.lm import DTYPES
-    from evaluation.runner import check_num_fewshot
-    from model.config import ConfigError
-    from tools.config_hints import refuse_unread_keys
-
-    batch = eval_cfg.get("batch_size")
-    if not (isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1) and not (hf and batch == "auto"):
-        raise ConfigError("eval.batch_size", batch, "must be an integer >= 1" + (" or auto" if hf else ""))
-    if eval_cfg.get("dtype") not in (None, "auto", *DTYPES):
-        raise ConfigError("eval.dtype", eval_cfg["dtype"], f"must be null (the model's own), auto or one of "
-                          f"{tuple(DTYPES)}")
-
-    if eval_cfg.get("data_dir") and not Path(eval_cfg["data_dir"]).is_dir():
-        raise ConfigError("eval.data_dir", eval_cfg["data_dir"], "no such folder (it holds the task files: "
-                          "see evaluation/README.md)")
-    check_num_fewshot(eval_cfg.get("num_fewshot"))
-    refuse_unread_keys(OmegaConf.create({"eval": eval_cfg}))
-    if eval_cfg.get("num_seeds") is not None and int(eval_cfg["num_seeds"]) < 1:
-        raise ConfigError("eval.num_seeds", eval_cfg["num_seeds"], "must be >= 1 (permutation seeds to average)")
-
-
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
@@ -100,7 +78,7 @@ def _evaluate(cfg: DictConfig):
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # per-subtask INFO lines (57 for MMLU) drown the table
     from hydra.core.hydra_config import HydraConfig
 
-    from evaluation.runner import default_task_dir, evaluate_checkpoint
+    from evaluation.runner import check_eval_config, default_task_dir, evaluate_checkpoint
     from kernels.cpu_malloc import keep_freed_memory
     from model.config import ConfigError
 
@@ -115,7 +93,7 @@ def _evaluate(cfg: DictConfig):
     if cfg.model.hf:
         try:
             refuse_context_given(HydraConfig.get().overrides.task, "eval.max_length=<tokens> sets the context scored")
-            _check_eval_config(eval_cfg, hf=True)
+            check_eval_config(eval_cfg, hf=True)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
@@ -125,7 +103,7 @@ def _evaluate(cfg: DictConfig):
         sys.exit(2)
     try:
         refuse_context_given(HydraConfig.get().overrides.task, "eval.max_length=<tokens> sets the context scored")
-        _check_eval_config(eval_cfg)
+        check_eval_config(eval_cfg)
         summary = evaluate_checkpoint(cfg.ckpt, eval_cfg, trained_window_unless_given(attention, given), out_dir)
     except (FileNotFoundError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -87,11 +87,14 @@ def check_config(cfg: DictConfig):
     if workers is None or workers < 0:
         raise ConfigError("data.num_workers", cfg.data.num_workers, "DataLoader worker processes, an integer >= 0")
     _check_trainer_and_optim(cfg)
-    if cfg.get("eval") and cfg.eval.get("after_train"):  # a misspelled task would fail only after training
-        from evaluation.runner import check_num_fewshot, check_task_names
+    if cfg.get("eval") and cfg.eval.get("after_train"):  # what would fail only after training
+        from evaluation.runner import check_eval_config, check_task_names, plan_tasks
 
-        check_task_names(OmegaConf.to_container(cfg.eval, resolve=True)["tasks"])
-        check_num_fewshot(cfg.eval.get("num_fewshot"))
+        eval_cfg = _eval_config(cfg)
+        check_task_names(eval_cfg["tasks"])
+        check_eval_config(eval_cfg)
+        if eval_cfg.get("data_dir") and eval_cfg.get("num_fewshot"):  # shots a local test-only task cannot give
+            plan_tasks(eval_cfg["tasks"], eval_cfg["data_dir"], eval_cfg["task_dir"], eval_cfg["num_fewshot"])
     if cfg.trainer.strategy == "ddp_spawn":  # its workers hand no loop state back to this process
         raise ConfigError("trainer.strategy", cfg.trainer.strategy, "not supported: the spawned workers return no "
                           "step count, so the final checkpoint and validation would be skipped and a resume cannot be "
@@ -515,15 +518,22 @@ def _logged_val_loss(run_dir: Path, step: int) -> float | None:
     return read_metrics(path).get("val/loss", {}).get(step) if path.is_file() else None
 
 
-def _evaluated_at(out_dir: Path, step: int) -> Path | None:
-    """The results.json of eval.after_train's suite if it scored the checkpoint of `step`."""
+def _evaluated_at(out_dir: Path, step: int, eval_cfg: dict, last: Path) -> Path | None:
+    """The results.json of eval.after_train's suite if it scored last.ckpt (its step, written by its training
+    attempt) with this launch's settings, every task of the suite scored and the model as trained."""
     import json
+
+    from evaluation.runner import scored_settings
+    from model.checkpoint import checkpoint_identity
 
     path = out_dir / "results.json"
     try:
-        return path if json.loads(path.read_text()).get("checkpoint_step") == step else None
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    done = (data.get("checkpoint_step") == step and data.get("results") and not data.get("skipped")
+            and not data.get("attention_overrides") and data.get("eval_config") == scored_settings(eval_cfg))
+    return path if done and data.get("checkpoint_attempt") == checkpoint_identity(last)[0] else None
 
 
 def _checkpoint_meta(path: str | None) -> dict | None:
@@ -679,10 +689,15 @@ def _with_run_overrides(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     own = _own_checkpoint(_resume_checkpoint(cfg, run_dir / "checkpoints"), run_dir / "checkpoints")
     if not (cfg.resume == "auto" or own) or not (run_dir / RUN_OVERRIDES).is_file():
         return cfg, today  # resume=auto before the run's first checkpoint continues it as it was started too
+    from tools.config_hints import unread_key
+
     given = dict(_override_key(o) for o in today)
     earlier = []
     for override in OmegaConf.to_container(OmegaConf.load(run_dir / RUN_OVERRIDES)):
         key, prefix = _override_key(override)
+        if prefix in ("+", "++") and unread_key(key):  # recorded before such keys were refused: a requeued job goes on
+            say(f"resume: left out {override} of the run's own overrides: nothing reads {key} (the run ignored it)")
+            continue
         # an addition (+key=..., ++key=...) stays when today's sets or deletes the key: that needs it added first
         carried = key not in NOT_CARRIED and not (key == "init_from" and cfg.ckpt_path)
         if carried and (key not in given or (prefix in ("+", "++") and given[key] in ("", "~"))):
@@ -911,7 +926,8 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
             prune.prune()
         if trainer.strategy.reduce_boolean_decision(sigterm.signalled, all=False):  # came after the last step
             raise SIGTERMException()  # the final checkpoint is saved: no validation or evaluation after it
-        logged = _logged_val_loss(run_dir, trainer.global_step) if finished else None
+        # rank zero's reading for all: ranks that read the log apart could disagree on the validate() below and hang
+        logged = trainer.strategy.broadcast(_logged_val_loss(run_dir, trainer.global_step) if finished else None)
         if trainer.global_step % int(cfg.trainer.val_every_n_steps) and outside_fit and logged is None:
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the final weights too
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -920,7 +936,8 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
         if start_loss is not None:
             metrics["val/loss_at_start"] = float(start_loss)
         if trainer.is_global_zero and cfg.get("eval") and cfg.eval.after_train:
-            done = _evaluated_at(run_dir / "eval" / str(cfg.eval.get("name", "suite")), trainer.global_step)
+            done = _evaluated_at(run_dir / "eval" / str(cfg.eval.get("name", "suite")), trainer.global_step,
+                                 _eval_config(cfg), ckpt_dir / "last.ckpt")
             if finished and done:
                 console.print(f"eval: the suite's scores of step {trainer.global_step} are in {done}", markup=False)
             else:
@@ -934,13 +951,21 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     return metrics
 
 
-def _evaluate_after_training(cfg, ckpt: Path, run_dir: Path, loggers, trainer, console) -> dict:
-    """Score the final checkpoint on the configured suite; log the numbers to W&B and the CSV like training metrics."""
-    from evaluation.runner import default_task_dir, evaluate_checkpoint
+def _eval_config(cfg: DictConfig) -> dict:
+    """cfg.eval as a dict; with eval.data_dir, the converted tasks go where the data cache is."""
+    from evaluation.runner import default_task_dir
 
     eval_cfg = OmegaConf.to_container(cfg.eval, resolve=True)
-    if eval_cfg.get("data_dir") and not eval_cfg.get("task_dir"):  # the converted tasks go where the data cache is
+    if eval_cfg.get("data_dir") and not eval_cfg.get("task_dir"):
         eval_cfg["task_dir"] = str(default_task_dir(eval_cfg["data_dir"], cfg.paths.cache_dir))
+    return eval_cfg
+
+
+def _evaluate_after_training(cfg, ckpt: Path, run_dir: Path, loggers, trainer, console) -> dict:
+    """Score the final checkpoint on the configured suite; log the numbers to W&B and the CSV like training metrics."""
+    from evaluation.runner import evaluate_checkpoint
+
+    eval_cfg = _eval_config(cfg)
     summary = evaluate_checkpoint(ckpt, eval_cfg, None, run_dir / "eval" / eval_cfg.get("name", "suite"),
                                   log=lambda msg: console.print(msg, markup=False))
     scores = {f"eval/{r['task']}/{r['metric']}": float(r["value"]) for r in summary["results"]

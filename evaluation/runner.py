@@ -29,6 +29,16 @@ DEFAULTS = {"name": "custom", "tasks": ["wikitext", "lambada_openai"], "data_dir
             "bootstrap_iters": 1000, "task_dir": None, "after_train": False, "num_fewshot": None}
 
 
+# the eval settings a suite's scores depend on (batch size and device do not change them), recorded in results.json
+SCORED_SETTINGS = ("tasks", "data_dir", "limit", "num_seeds", "num_fewshot", "max_length", "dtype", "bootstrap_iters")
+
+
+def scored_settings(eval_cfg: dict | None) -> dict:
+    """SCORED_SETTINGS of an eval config, defaults filled in, as results.json's "eval_config" holds them."""
+    cfg = {**DEFAULTS, **dict(eval_cfg or {})}
+    return {k: task_names(cfg[k]) if k == "tasks" else cfg[k] for k in SCORED_SETTINGS}
+
+
 def default_task_dir(data_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
     """Converted local tasks are cached per data folder: <cache_dir> (default $SA_CACHE_DIR, else <repo>/.cache)
     /eval_tasks/<hash>."""
@@ -57,6 +67,30 @@ def check_num_fewshot(shots) -> None:
     if shots is not None and (isinstance(shots, bool) or not isinstance(shots, int) or shots < 0):
         raise ConfigError("eval.num_fewshot", shots, "solved examples before each question, an integer >= 0 (null: "
                           "each task's own)")
+
+
+def check_eval_config(eval_cfg: dict, hf: bool = False) -> None:
+    """Refuse eval settings that would fail (or be ignored) only once scoring starts: evaluate.py before the model
+    loads, train.py (eval.after_train) before training. hf: the model.hf path, which takes batch_size=auto too."""
+    from omegaconf import OmegaConf
+
+    from evaluation.lm import DTYPES
+    from model.config import ConfigError
+    from tools.config_hints import refuse_unread_keys
+
+    batch = eval_cfg.get("batch_size")
+    if not (isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1) and not (hf and batch == "auto"):
+        raise ConfigError("eval.batch_size", batch, "must be an integer >= 1" + (" or auto" if hf else ""))
+    if eval_cfg.get("dtype") not in (None, "auto", *DTYPES):
+        raise ConfigError("eval.dtype", eval_cfg["dtype"], f"must be null (the model's own), auto or one of "
+                          f"{tuple(DTYPES)}")
+    if eval_cfg.get("data_dir") and not Path(eval_cfg["data_dir"]).is_dir():
+        raise ConfigError("eval.data_dir", eval_cfg["data_dir"], "no such folder (it holds the task files: "
+                          "see evaluation/README.md)")
+    check_num_fewshot(eval_cfg.get("num_fewshot"))
+    refuse_unread_keys(OmegaConf.create({"eval": eval_cfg}))
+    if eval_cfg.get("num_seeds") is not None and int(eval_cfg["num_seeds"]) < 1:
+        raise ConfigError("eval.num_seeds", eval_cfg["num_seeds"], "must be >= 1 (permutation seeds to average)")
 
 
 def check_task_names(tasks, key: str = "eval.tasks") -> list[str]:
@@ -358,7 +392,7 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         "suite": cfg["name"], "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "lm_eval_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else _version("lm_eval"),
         "checkpoint": info["checkpoint"], **lm.loaded.identity(), "attention": info["attention"],
-        "attention_overrides": overrides,
+        "attention_overrides": overrides, "eval_config": scored_settings(cfg),
         "dtype": info["dtype"], "batch_size": lm.batch_size, "device": str(lm.device), "max_length": lm.max_length,
         "n_parameters": info["n_parameters"], "seeds": seeds, "limit": cfg["limit"],
         "bootstrap_iters": int(cfg["bootstrap_iters"]), "num_fewshot": shots, "data_dir": cfg["data_dir"],

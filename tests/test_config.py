@@ -130,6 +130,9 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("+data.source.text_feild=body", "data.source.text_feild"),
         ("+eval.fewshot=5", "eval.fewshot"),  # zero-shot scores under a five-shot name
         ("eval.after_train=true eval.num_fewshot=-1", "eval.num_fewshot"),
+        ("eval.after_train=true eval.data_dir=/no/such/evaldata", "eval.data_dir"),  # all skipped after training
+        ("eval.after_train=true eval.batch_size=0", "eval.batch_size"),
+        ("eval.after_train=true eval.dtype=fp8", "eval.dtype"),
         ("trainer.strategy=ddp_spawn", "trainer.strategy"),  # its workers return no step: the last save was skipped
         ("seed=abc", "seed"),
         ("data.tokenizer.vocab_size=600", "model.vocab_size"),  # tiny's 512: refused after tokenizing the corpus
@@ -146,6 +149,18 @@ def test_bad_config_is_refused_with_its_key(override, key, tmp_path, corpus_file
     with pytest.raises(ConfigError) as err:
         check_config(cfg)
     assert err.value.key == key and key in str(err.value)
+
+
+def test_shots_a_local_test_only_task_cannot_give_are_refused_before_training(tmp_path, corpus_file):
+    """eval.num_fewshot=2 with local wikitext and LAMBADA (test splits only) failed after the whole run."""
+    from test_evaluation import make_truth, wiki_articles, write_evaldata
+
+    evaldata = write_evaldata(tmp_path / "evaldata", make_truth(), wiki_articles(2))
+    given = TINY + ["eval.after_train=true", f"eval.data_dir={evaldata}", f"paths.cache_dir={tmp_path / 'cache'}"]
+    with pytest.raises(ConfigError, match="no non-test split") as err:
+        check_config(compose_train(given + ["eval.num_fewshot=2"], tmp_path, corpus_file))
+    assert err.value.key == "eval.num_fewshot"
+    check_config(compose_train(given + ["eval.num_fewshot=0"], tmp_path, corpus_file))
 
 
 @pytest.mark.parametrize("data,key", [("files", "data.source.paths"), ("hf", "data.source.name")])
@@ -303,9 +318,9 @@ def test_a_refused_launch_leaves_no_run_folder_and_keeps_one_with_a_record(tmp_p
     import subprocess
     import sys
 
-    def launch(*args):
+    def launch(*args, cwd=tmp_path):
         return subprocess.run([sys.executable, str(ROOT / "train.py"), "model=tiny", "+optim.warmup=3", *args],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                              cwd=cwd, capture_output=True, text=True, timeout=120)
 
     new, kept = tmp_path / "new", tmp_path / "kept"
     proc = launch(f"hydra.run.dir={new}")
@@ -314,6 +329,11 @@ def test_a_refused_launch_leaves_no_run_folder_and_keeps_one_with_a_record(tmp_p
     (kept / "train.log").write_text("data: prepared by an earlier prepare_only=true launch\n")
     assert launch(f"hydra.run.dir={kept}").returncode == 2
     assert "prepared by an earlier" in (kept / "train.log").read_text()
+    # the launch directory (hydra.run.dir=.), empty before: what the launch wrote goes, the folder stays
+    here = tmp_path / "here"
+    here.mkdir()
+    assert launch("hydra.run.dir=.", cwd=here).returncode == 2
+    assert here.is_dir() and not list(here.iterdir())
 
 
 def test_a_misspelled_key_on_the_command_line_gets_a_did_you_mean():
@@ -340,7 +360,10 @@ def test_an_added_key_nothing_reads_is_refused_with_the_key_it_meant(tmp_path, c
 @pytest.mark.parametrize("section", ["trainer", "optim", "data", "eval"])
 def test_the_read_keys_cover_every_preset(section):
     """Every key a preset sets in trainer, optim, data or eval is one that is read (else check_config refuses it)."""
-    from tools.config_hints import READ_KEYS
+    from tools.config_hints import READ_KEYS, unread_key
+
+    assert unread_key("optim.warmup") and unread_key("data.source.foo.bar") and unread_key("eval.fewshot")
+    assert not unread_key("optim.lr") and not unread_key("model.foo") and not unread_key("data.probes.task")
 
     for path in sorted((ROOT / "conf").rglob("*.yaml")):
         raw = OmegaConf.load(path)

@@ -1102,12 +1102,12 @@ def test_metrics_under_a_filter_and_the_shots_are_reported_as_lm_eval_ran_them()
     ("dtype", "half", True, False),
 ])
 def test_eval_settings_are_checked_before_a_model_loads(key, value, hf, ok):
-    from evaluate import _check_eval_config
+    from evaluation.runner import check_eval_config
     from model.config import ConfigError
 
     cfg = {"batch_size": 16, "dtype": None, key: value}
     if ok:
-        _check_eval_config(cfg, hf=hf)
+        check_eval_config(cfg, hf=hf)
     else:
         with pytest.raises(ConfigError, match=f"eval.{key}"):
-            _check_eval_config(cfg, hf=hf)
+            check_eval_config(cfg, hf=hf)

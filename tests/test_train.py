@@ -127,22 +127,33 @@ def test_a_resume_validates_the_checkpoints_step_when_its_validation_was_never_l
 def test_a_relaunch_of_a_finished_run_trains_validates_and_evaluates_nothing_again(tmp_path, corpus_file,
                                                                                    data_cache, capsys):
     """A requeued job or a sweep run again: it validated its final weights again (a second row at the same step)
-    and ran the whole eval.after_train suite again."""
+    and ran the whole eval.after_train suite again. A suite scored with other settings, or with tasks skipped,
+    is scored again."""
+    from test_evaluation import make_truth, wiki_articles, write_evaldata
+
+    evaldata = write_evaldata(tmp_path / "evaldata", make_truth(), wiki_articles(2))
     common = TINY + ["attention=sa", "attention.window=8", "trainer.max_steps=3", "trainer.val_every_n_steps=2",
-                     "trainer.checkpoint_every_n_steps=2", "eval.name=quick"]
+                     "trainer.checkpoint_every_n_steps=2", "eval.name=quick", "eval.limit=2"]
     run = tmp_path / "run"
-    first = train(compose_train(common, run, corpus_file, data_cache))
-    step = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
-    (run / "eval" / "quick").mkdir(parents=True)  # the suite's scores of the final checkpoint, as evaluate writes them
-    (run / "eval" / "quick" / "results.json").write_text(json.dumps({"checkpoint_step": step, "results": []}))
+    results = run / "eval" / "quick" / "results.json"
+    first = train(compose_train(common + ["eval.after_train=true"], run, corpus_file, data_cache))
+    assert json.loads(results.read_text())["results"] == []  # offline without eval.data_dir: every task skipped
+    scored = common + ["resume=auto", "eval.after_train=true", f"eval.data_dir={evaldata}"]
     capsys.readouterr()
-    again = train(compose_train(common + ["resume=auto", "eval.after_train=true"], run, corpus_file, data_cache))
+    again = train(compose_train(scored, run, corpus_file, data_cache))
     err = capsys.readouterr().err
     assert "resume: the run finished at step 3 (trainer.max_steps=3)" in err
-    assert f"eval: the suite's scores of step 3 are in {run / 'eval' / 'quick' / 'results.json'}" in err
+    assert "eval: the suite's scores" not in err and "eval/lambada_openai/acc" in again  # scored now
     with open(run / "metrics.csv") as f:
         assert [r["step"] for r in csv.DictReader(f) if r["val/loss"]] == ["0", "2", "3"]
     assert again["val/loss"] == pytest.approx(first["val/loss"], abs=1e-6)  # what a sweeper reads: the logged one
+    written = results.stat().st_mtime_ns
+    train(compose_train(scored, run, corpus_file, data_cache))
+    assert f"eval: the suite's scores of step 3 are in {results}" in capsys.readouterr().err
+    assert results.stat().st_mtime_ns == written
+    train(compose_train(scored + ["eval.limit=3"], run, corpus_file, data_cache))  # other settings: scored again
+    assert "eval: the suite's scores" not in capsys.readouterr().err
+    assert json.loads(results.read_text())["limit"] == 3
 
 
 def test_a_checkpoint_from_before_shuffled_sampling_resumes_its_random_stream(tmp_path, corpus_file, data_cache,
@@ -1144,15 +1155,19 @@ def test_a_bare_resume_continues_the_run_with_its_own_overrides(tmp_path, corpus
                                                         "logger=csv", "eval.after_train=false", f"hydra.run.dir={run}"],
                     cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
+    with open(run / "overrides.yaml", "a") as f:  # recorded before keys nothing reads were refused: it ran without
+        f.write("- +optim.warmup=3\n")
     again = run_cli([f"hydra.run.dir={run}", "resume=auto", "trainer.max_steps=4"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resume: the run's own overrides (" in again.stderr
+    assert "resume: left out +optim.warmup=3 of the run's own overrides: nothing reads optim.warmup" in again.stderr
     [warning] = [line for line in again.stderr.splitlines() if "differs from the checkpoint" in line]
     assert "attention" not in warning and "data." not in warning  # nothing changed but the schedule's length
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 4 and saved["hyper_parameters"]["attention"]["kind"] == "sa"
     recorded = (run / "overrides.yaml").read_text()
     assert "attention=sa" in recorded and "trainer.max_steps=4" in recorded and "max_steps=2" not in recorded
+    assert "+optim.warmup=3" not in recorded
     assert "resume" not in recorded
     # a resume the checkpoint refuses (at load time) leaves the run's record as it was
     config = (run / "config.yaml").read_text()

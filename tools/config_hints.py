@@ -124,6 +124,13 @@ ELSEWHERE = {"trainer.gradient_clip_val": "optim.grad_clip", "trainer.max_epochs
              "eval.seeds": "eval.num_seeds"}
 
 
+def unread_key(key: str) -> bool:
+    """Whether refuse_unread_keys refuses a dotted key ("optim.warmup": yes; "optim.lr", "model.foo": no)."""
+    parts = key.split(".")
+    return any(".".join(parts[:i]) in READ_KEYS and parts[i] not in READ_KEYS[".".join(parts[:i])]
+               for i in range(1, len(parts)))
+
+
 def refuse_unread_keys(cfg) -> None:
     """Raise ConfigError for a key of trainer, optim, data or eval that nothing reads: added with `+` (Hydra's own
     advice for a misspelled key), it would be ignored in silence and the run would go on without it."""

@@ -44,11 +44,24 @@ def only_launch_files(run_dir, log_name: str, log_empty: bool = False) -> bool:
 def remove_refused_launch(run_dir, log_name: str) -> None:
     """Remove the output folder of a launch refused before it ran (when it holds no more than the launch wrote):
     no folder of a run that never was. The error was on stderr."""
+    import os
     import shutil
+    from pathlib import Path
 
-    if only_launch_files(run_dir, log_name):
-        logging.shutdown()  # the job log's handler closed before its folder goes
-        shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir = Path(run_dir)
+    if not only_launch_files(run_dir, log_name):
+        return
+    logging.shutdown()  # the job log's handler closed before its file goes
+    # what the launch wrote, then the folder if that leaves it empty: a folder made beforehand (hydra.run.dir=. or a
+    # scheduler's job folder) is the launch directory, or someone's, and stays
+    shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
+    (run_dir / log_name).unlink(missing_ok=True)
+    here = Path(os.getcwd()).resolve()
+    if run_dir.resolve() != here and run_dir.resolve() not in here.parents:
+        try:
+            run_dir.rmdir()
+        except OSError:  # not empty after all
+            pass
 
 
 def say(text: str) -> None:
