@@ -210,6 +210,18 @@ def records_this_code():
         lm_eval.evaluator.get_git_commit_hash = own
 
 
+def check_local_fewshot(eval_cfg: dict) -> None:
+    """The local half of plan_tasks' few-shot check, for train.py before training: converts the suite's local
+    tasks (kept for the evaluation after it), loads no hub task and probes no network."""
+    from evaluation.local_tasks import KNOWN_TASKS, check_fewshot, write_local_tasks
+
+    tasks = task_names(eval_cfg["tasks"])
+    task_dir = Path(eval_cfg["task_dir"] or default_task_dir(eval_cfg["data_dir"]))
+    local = write_local_tasks(eval_cfg["data_dir"], [t for t in tasks if t in KNOWN_TASKS], task_dir,
+                              cache_dir=task_dir / "hf_datasets")
+    check_fewshot(local, tasks, eval_cfg["num_fewshot"], "eval.num_fewshot")
+
+
 def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Path | None = None,
                num_fewshot: int | None = None, fewshot_key: str = "eval.num_fewshot") -> TaskPlan:
     """Decide where each task's data comes from; build the TaskManager lm-eval will use.

@@ -68,7 +68,8 @@ def _unwrapped_name(name: str) -> str:
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 # optim keys added after the first checkpoints were written: an older checkpoint trained with these values
 OPTIM_DEFAULTS = {"schedule": "cosine", "decay_fraction": 0.2}
-DATA_DEFAULTS = {"sampling": "random"}  # what checkpoints from before data.sampling trained with
+# what checkpoints from before these data keys trained with
+DATA_DEFAULTS = {"sampling": "random", "val_split": "index"}
 _DEFAULTS = {"optim": OPTIM_DEFAULTS, "data": DATA_DEFAULTS}
 
 
@@ -480,7 +481,8 @@ class StepProgressBar(RichProgressBar):
         trainer = self.trainer
         if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
             left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
-            return min(trainer.num_training_batches, left)
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # the bar counts on from a resume's batch
+            return min(trainer.num_training_batches, left + done)
         return super().total_train_batches
 
     def _get_train_description(self, current_epoch: int) -> str:

@@ -552,6 +552,23 @@ def test_the_resume_check_compares_models_as_built():
         _check_resumed_config(hp(), {**hp(), "attention": {"kind": "gated_sa_swa"}})
 
 
+def test_data_val_split_is_the_default_of_older_checkpoints_and_part_of_the_stream(recwarn):
+    """A checkpoint from before data.val_split split by index: its resume is no config change; an init_from run with
+    the other split trains on other documents, so it does not skip the source's windows."""
+    from model.lightning_module import _check_resumed_config
+    from train import STREAM_KEYS, _continued_stream
+
+    data = {"source": {"kind": "embedded"}, "val_fraction": 0.05, "max_tokens": None, "seq_len": 64,
+            "window_start": "any", "sampling": "shuffled"}
+    _check_resumed_config({"data": data}, {"data": {**data, "val_split": "index"}})
+    assert not [w for w in recwarn if "val_split" in str(w.message)]
+    assert "val_split" in STREAM_KEYS
+    source = {"samples": 5000, "seed": 0, "data": data}
+    assert _continued_stream({"seed": 0, "data": {**data, "val_split": "index"}}, source) == (5000, None)
+    assert _continued_stream({"seed": 0, "data": {**data, "val_split": "content"}}, source) == (
+        0, "data.val_split differs")
+
+
 def test_what_is_moved_aside_and_what_counts_as_this_runs_checkpoint(tmp_path):
     """Checkpoint files move, not their folder (a link to other storage stays where ModelCheckpoint writes); a
     checkpoint anywhere under checkpoints/ is the run's own; an empty checkpoints/ is no earlier run."""
@@ -705,9 +722,13 @@ def test_the_progress_bar_counts_micro_batches_of_the_steps_left():
     from model.lightning_module import StepProgressBar
 
     bar = StepProgressBar()
+    progress = SimpleNamespace(ready=0)  # the micro-batches of this epoch run so far (in this process or before)
+    loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=progress)))
     bar._trainer = SimpleNamespace(max_epochs=-1, max_steps=30, global_step=4, accumulate_grad_batches=2,
-                                   num_training_batches=float("inf"))
+                                   num_training_batches=float("inf"), fit_loop=loop)
     assert bar.total_train_batches == 52
+    progress.ready = 8  # resumed at step 4: the bar counts on from batch 8
+    assert bar.total_train_batches == 60
     bar._trainer.num_training_batches = 40  # an epoch shorter than what is left
     assert bar.total_train_batches == 40
 
