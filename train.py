@@ -88,13 +88,13 @@ def check_config(cfg: DictConfig):
         raise ConfigError("data.num_workers", cfg.data.num_workers, "DataLoader worker processes, an integer >= 0")
     _check_trainer_and_optim(cfg)
     if cfg.get("eval") and cfg.eval.get("after_train"):  # what would fail only after training
-        from evaluation.runner import check_eval_config, check_local_fewshot, check_task_names
+        from evaluation.runner import check_eval_config, check_task_names, local_tasks
 
         eval_cfg = _eval_config(cfg)
-        check_task_names(eval_cfg["tasks"])
+        tasks = check_task_names(eval_cfg["tasks"])
         check_eval_config(eval_cfg)
         if eval_cfg.get("data_dir") and eval_cfg.get("num_fewshot"):  # shots a local test-only task cannot give
-            check_local_fewshot(eval_cfg)
+            local_tasks(tasks, eval_cfg["data_dir"], eval_cfg["task_dir"], eval_cfg["num_fewshot"])
     if cfg.trainer.strategy == "ddp_spawn":  # its workers hand no loop state back to this process
         raise ConfigError("trainer.strategy", cfg.trainer.strategy, "not supported: the spawned workers return no "
                           "step count, so the final checkpoint and validation would be skipped and a resume cannot be "

@@ -210,16 +210,18 @@ def records_this_code():
         lm_eval.evaluator.get_git_commit_hash = own
 
 
-def check_local_fewshot(eval_cfg: dict) -> None:
-    """The local half of plan_tasks' few-shot check, for train.py before training: converts the suite's local
-    tasks (kept for the evaluation after it), loads no hub task and probes no network."""
+def local_tasks(tasks: list[str], data_dir: str | Path, task_dir: str | Path | None, num_fewshot: int | None,
+                fewshot_key: str = "eval.num_fewshot"):
+    """The suite's tasks that data_dir holds, converted into task_dir (default: default_task_dir), with the shots
+    refused that a local test-only task cannot give. No hub task is loaded and no network probed: train.py calls
+    it alone before training (the converted tasks are kept for the evaluation after it)."""
     from evaluation.local_tasks import KNOWN_TASKS, check_fewshot, write_local_tasks
 
-    tasks = task_names(eval_cfg["tasks"])
-    task_dir = Path(eval_cfg["task_dir"] or default_task_dir(eval_cfg["data_dir"]))
-    local = write_local_tasks(eval_cfg["data_dir"], [t for t in tasks if t in KNOWN_TASKS], task_dir,
+    task_dir = Path(task_dir) if task_dir else default_task_dir(data_dir)
+    local = write_local_tasks(data_dir, [t for t in tasks if t in KNOWN_TASKS], task_dir,
                               cache_dir=task_dir / "hf_datasets")
-    check_fewshot(local, tasks, eval_cfg["num_fewshot"], "eval.num_fewshot")
+    check_fewshot(local, tasks, num_fewshot, fewshot_key)
+    return local
 
 
 def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Path | None = None,
@@ -232,8 +234,6 @@ def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Pa
     """
     from lm_eval.tasks import TaskManager
 
-    from evaluation.local_tasks import KNOWN_TASKS, check_fewshot, write_local_tasks
-
     task_log = logging.getLogger("lm_eval.api.task")
     if _default_metric_note not in task_log.filters:
         task_log.addFilter(_default_metric_note)
@@ -241,10 +241,7 @@ def plan_tasks(tasks: list[str], data_dir: str | Path | None, task_dir: str | Pa
     plan = TaskPlan(run=[], source={})
     local = None
     if data_dir is not None:
-        task_dir = Path(task_dir) if task_dir else default_task_dir(data_dir)
-        local = write_local_tasks(data_dir, [t for t in tasks if t in KNOWN_TASKS], task_dir,
-                                  cache_dir=task_dir / "hf_datasets")
-        check_fewshot(local, tasks, num_fewshot, fewshot_key)
+        local = local_tasks(tasks, data_dir, task_dir, num_fewshot, fewshot_key)
         plan.notes += local.notes
         for name, yaml_path in local.available.items():
             plan.source[name] = f"local:{yaml_path}"
