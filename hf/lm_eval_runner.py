@@ -90,9 +90,10 @@ def make_lm(model, tokenizer, batch_size=8, max_length: int | None = None, pad_s
         def _loglikelihood_tokens(self, requests, *args, **kwargs):
             # counted as the native path counts them (evaluation.lm.SALM): HFLM keeps the last max_length tokens
             # of context + continuation and warns once per request, which tells no total
-            for _, context_enc, continuation_enc in requests:
-                self.requests_scored += 1
-                self.contexts_cut += len(context_enc) + len(continuation_enc) > self.max_length + 1
+            for key, context_enc, continuation_enc in requests:
+                if key and key[0] is not None:  # not a rolling perplexity's window (HFLM keys those (None,))
+                    self.requests_scored += 1
+                    self.contexts_cut += len(context_enc) + len(continuation_enc) > self.max_length + 1
             return super()._loglikelihood_tokens(requests, *args, **kwargs)
 
     kwargs = {} if max_length is None else {"max_length": int(max_length)}
@@ -211,14 +212,21 @@ def _same_settings(results: dict, settings: dict, tasks: list[str]) -> bool:
 def sweep(model_name_or_path, kinds, windows, tasks, out_dir, **kwargs) -> list[dict]:
     """Load once; evaluate every (kind, window) (full once); one JSON per configuration + summary.md in out_dir."""
     from data.shards import atomic_write_text
+    from hf.attention import PrefillSettings
     from hf.patch import load_hf_model
+    from model.config import ConfigError
 
+    configs = [("full", None)] if "full" in kinds else []
+    configs += [(kind, int(w)) for kind in kinds if kind != "full" for w in windows]
+    for kind, window in configs:  # a bad kind or window fails now, not after hours of scoring the ones before it
+        try:
+            PrefillSettings(kind=kind, window=window, moba_top_k=int(kwargs.get("moba_top_k", 2)))
+        except ValueError as err:
+            raise ConfigError("--kinds/--windows", f"{kind} w={window}", str(err)) from None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     load_kwargs = {k: kwargs[k] for k in ("seed", "backend", "dtype", "device", "moba_top_k") if k in kwargs}
     model, tokenizer = load_hf_model(model_name_or_path, "full", None, **load_kwargs)
-    configs = [("full", None)] if "full" in kinds else []
-    configs += [(kind, int(w)) for kind in kinds if kind != "full" for w in windows]
     # what a finished configuration's scores depend on: another value runs it again
     settings = json.loads(json.dumps({"tasks": list(tasks), **{k: kwargs.get(k) for k in SWEEP_SETTINGS}},
                                      default=str))
@@ -228,6 +236,9 @@ def sweep(model_name_or_path, kinds, windows, tasks, out_dir, **kwargs) -> list[
         name = kind if window is None else f"{kind}_w{window}"
         path = out / f"{name}.json"
         results = json.loads(path.read_text()) if path.exists() else None  # resumable: finished ones are kept
+        if results is not None and results.get("model") != str(model_name_or_path):  # another model's scores
+            log.info("%s: %s holds scores of %s; running it again", name, path, results.get("model"))
+            results = None
         if results is not None and not _same_settings(results, settings, shown):
             log.info("%s: %s was run with other settings (%s); running it again", name, path,
                      results.get("sweep_settings"))
@@ -250,6 +261,15 @@ def sweep(model_name_or_path, kinds, windows, tasks, out_dir, **kwargs) -> list[
                       + header + "\n".join(lines) + "\n")
     atomic_write_text(out / "summary.json", json.dumps(rows, indent=1))
     return rows
+
+
+def _windows(text: str) -> list[int]:
+    from model.config import ConfigError
+
+    try:
+        return [int(w) for w in text.split(",")]
+    except ValueError:
+        raise ConfigError("--windows", text, "comma-separated integers, e.g. 16,32,64") from None
 
 
 def main(argv=None):
@@ -278,7 +298,7 @@ def main(argv=None):
 
     try:
         check_task_names(a.tasks, "--tasks")  # before minutes of loading the model
-        sweep(a.model, a.kinds.split(","), [int(w) for w in a.windows.split(",")], a.tasks.split(","), a.out,
+        sweep(a.model, [k.strip() for k in a.kinds.split(",")], _windows(a.windows), a.tasks.split(","), a.out,
               batch_size=batch, limit=limit, device=a.device, seed=a.seed, dtype=a.dtype, backend=a.backend,
               data_dir=a.data_dir, max_length=a.max_length, bootstrap_iters=a.bootstrap_iters)
     except (OSError, ConfigError) as err:  # load_hf_model's: the model is neither local nor reachable

@@ -13,6 +13,7 @@ Qwen3, Qwen3-MoE, Mistral without sliding window, ...).
 
 from __future__ import annotations
 
+import inspect
 import types
 
 from hf.attention import ATTN_NAME, PrefillSettings, sa_prefill_attention
@@ -78,20 +79,47 @@ def patch_model(model, kind: str, window: int | None = None, seed: int = 0, back
     return model
 
 
+# the caches under which a prefill sees as many keys as queries; a static cache is allocated at full length, so the
+# prefill's queries would meet more keys and run full attention (hf.attention), scored as the patched kind
+_PREFILL_CACHES = (None, "dynamic", "offloaded", "quantized")
+
+
 def _generate_with_cache(self, *args, **kwargs):
     """generate() of a patched model, with the KV cache required: without it every decoding step re-runs the whole
-    sequence as a prefill, under the pattern and a fresh pi, where decoding is meant to be full attention."""
-    config = kwargs.get("generation_config") or getattr(self, "generation_config", None)
-    if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
-        raise ValueError("hf.patch_model: generate(use_cache=False) would apply the prefill pattern to every "
-                         "decoding step; generate with the cache (decoding is full attention over it)")
+    sequence as a prefill, under the pattern and a fresh pi, where decoding is meant to be full attention. A static
+    cache or a chunked prefill are refused too: the prompt would run full attention (or the pattern on its first
+    chunk only) while the output is labelled with the patched kind."""
+    settings = getattr(self, "sa_prefill", None)
+    if settings is not None and settings.kind != "full":
+        generate = type(self).generate
+        try:  # generation_config may come by position too (generate(inputs, generation_config))
+            given = inspect.signature(generate).bind_partial(self, *args, **kwargs).arguments
+        except TypeError:  # let generate itself report the bad call
+            given = {}
+        config = given.get("generation_config") or getattr(self, "generation_config", None)
+        extra = given.get("kwargs", kwargs)
+
+        def setting(name, default=None):
+            return extra[name] if name in extra else getattr(config, name, default)
+
+        if setting("use_cache", True) is False:
+            raise ValueError("hf.patch_model: generate(use_cache=False) would apply the prefill pattern to every "
+                             "decoding step; generate with the cache (decoding is full attention over it)")
+        if setting("cache_implementation") not in _PREFILL_CACHES:
+            raise ValueError(f"hf.patch_model: generate(cache_implementation={setting('cache_implementation')!r}) "
+                             f"would run the prompt with full attention, not {settings.kind}: a static cache gives "
+                             "the prefill more keys than queries; use a dynamic cache (the default)")
+        if setting("prefill_chunk_size") is not None:
+            raise ValueError("hf.patch_model: a chunked prefill (prefill_chunk_size) would apply the pattern to the "
+                             "first chunk only; prefill the prompt in one call")
     return type(self).generate(self, *args, **kwargs)
 
 
 def unpatch_model(model, attn_implementation: str | None = None):
     """Back to the attention implementation the model had before `patch_model` (or `attn_implementation`)."""
     _set_attn_implementation(model, attn_implementation or getattr(model, "_attn_before_sa_prefill", "sdpa"))
-    vars(model).pop("generate", None)
+    if getattr(vars(model).get("generate"), "__func__", None) is _generate_with_cache:  # not a model's own
+        del model.generate
     for module in model.modules():
         if getattr(module, "sa_prefill", None) is not None:
             module.sa_prefill = None
@@ -118,6 +146,11 @@ def _dtype(dtype):
     return names[dtype]
 
 
+# from_pretrained arguments that say where the files are and may be read, for the tokenizer as for the model
+_TOKENIZER_KWARGS = ("revision", "trust_remote_code", "cache_dir", "token", "local_files_only", "force_download",
+                     "proxies")
+
+
 def load_hf_model(name_or_path: str, kind: str = "full", window: int | None = None, seed: int = 0,
                   backend: str = "auto", dtype="auto", device: str | None = "auto", moba_top_k: int = 2,
                   **from_pretrained_kwargs):
@@ -132,7 +165,9 @@ def load_hf_model(name_or_path: str, kind: str = "full", window: int | None = No
     PrefillSettings(kind=kind, window=None if window is None else int(window), seed=int(seed), backend=backend,
                     moba_top_k=int(moba_top_k))
     register()
-    try:
+    try:  # the tokenizer first: a missing one fails before minutes of loading the model
+        tokenizer = AutoTokenizer.from_pretrained(
+            name_or_path, **{k: v for k, v in from_pretrained_kwargs.items() if k in _TOKENIZER_KWARGS})
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_dtype(dtype), attn_implementation="sdpa",
                                                      **from_pretrained_kwargs)
     except (OSError, ValueError) as err:  # not cached and the hub unreachable, a folder that is not a model, ...
@@ -143,6 +178,4 @@ def load_hf_model(name_or_path: str, kind: str = "full", window: int | None = No
                       "or a hub name on a machine with hub access (or the model in its HF cache)") from None
     model.to(resolve_device(device)).eval()
     patch_model(model, kind, window, seed=seed, backend=backend, moba_top_k=moba_top_k)
-    tokenizer = AutoTokenizer.from_pretrained(
-        name_or_path, **{k: v for k, v in from_pretrained_kwargs.items() if k in ("revision", "trust_remote_code")})
     return model, tokenizer

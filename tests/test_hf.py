@@ -5,6 +5,8 @@ Needs the `hf` extra (transformers); skipped without it. No weights are download
 
 import json
 import os
+import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -283,6 +285,35 @@ def test_generation_without_the_cache_is_refused(tiny, ids):
     tiny.generate(ids[:, :12], max_new_tokens=2, do_sample=False, use_cache=False)  # the model's own, unpatched
 
 
+def test_generation_that_would_not_prefill_with_the_pattern_is_refused(tiny, ids):
+    """A generation config given by position passed the use_cache check; a static cache or a chunked prefill ran the
+    prompt with full attention (or the pattern on its first chunk only) under the patched kind's name."""
+    from transformers import GenerationConfig
+
+    prompt = ids[:, :12]
+    patch_model(tiny, "sa", 3)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        tiny.generate(prompt, GenerationConfig(use_cache=False, max_new_tokens=2))
+    with pytest.raises(ValueError, match="static"):
+        tiny.generate(prompt, max_new_tokens=2, do_sample=False, cache_implementation="static")
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        tiny.generate(prompt, max_new_tokens=2, do_sample=False, prefill_chunk_size=4)
+    patch_model(tiny, "full")  # nothing is patched at prefill: the model generates as it would unpatched
+    unpatched = tiny.generate(prompt, max_new_tokens=3, do_sample=False, use_cache=False)
+    assert torch.equal(unpatched, tiny.generate(prompt, max_new_tokens=3, do_sample=False))
+    unpatch_model(tiny, "sdpa")
+
+
+def test_unpatch_keeps_a_models_own_instance_generate(ids):
+    model = _tiny("llama")
+    own = types.MethodType(lambda self, *a, **k: "own", model)
+    model.generate = own  # a hub repo's custom_generate, say
+    patch_model(model, "sa", 4)
+    assert model.generate() == "own"
+    unpatch_model(model)
+    assert vars(model).get("generate") is own
+
+
 def test_a_model_with_its_own_attention_code_is_refused():
     """Bloom, Falcon, ... do not call transformers' AttentionInterface: the config switch took, the patched function
     never ran, and their full-attention scores were reported as SA."""
@@ -428,6 +459,44 @@ def test_a_resumed_sweep_reruns_a_configuration_whose_settings_changed(saved_mod
     assert saved.stat().st_mtime_ns == stamp
     sweep(str(folder), ["sa"], [4], [_task(data)], tmp_path, limit=4, **common)
     assert json.loads(saved.read_text())["sweep_settings"]["limit"] == 4
+    # another model's sweep into the same folder read the first model's scores back under the new name
+    other = shutil.copytree(folder, tmp_path / "other_model")
+    stamp = saved.stat().st_mtime_ns
+    sweep(str(other), ["sa"], [4], [_task(data)], tmp_path, limit=4, **common)
+    assert saved.stat().st_mtime_ns != stamp and json.loads(saved.read_text())["model"] == str(other)
+
+
+def test_the_sweep_refuses_a_bad_kind_or_window_before_loading_the_model(tmp_path, monkeypatch):
+    """--kinds full,swa,SA failed with a traceback after full and every SWA window had been scored (hours)."""
+    import hf.patch
+    from hf.lm_eval_runner import main
+
+    monkeypatch.setattr(hf.patch, "load_hf_model", lambda *a, **k: pytest.fail("loaded before the kinds were checked"))
+    common = ["--model", str(tmp_path / "m"), "--tasks", "piqa", "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit, match=r"^error: invalid config: --kinds/--windows='SA w=16': kind must be"):
+        main(common + ["--kinds", "full,swa,SA", "--windows", "16"])
+    with pytest.raises(SystemExit, match=r"^error: invalid config: --windows='16,x'"):
+        main(common + ["--windows", "16,x"])
+    with pytest.raises(SystemExit, match=r"needs window \(w_eff\) >= 1"):
+        main(common + ["--kinds", "sa", "--windows", "0"])
+
+
+def test_the_tokenizer_loads_from_where_the_model_does(saved_model, tmp_path, monkeypatch):
+    """cache_dir / token / local_files_only reached the model only: the tokenizer then looked on the hub, after the
+    model had loaded (minutes for an 8B one)."""
+    import transformers
+
+    folder, _ = saved_model
+    real, seen = transformers.AutoTokenizer.from_pretrained, []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recording)
+    load_hf_model(str(folder), "sa", 8, dtype="float32", device="cpu", cache_dir=str(tmp_path), local_files_only=True,
+                  revision="main")
+    assert seen == [{"cache_dir": str(tmp_path), "local_files_only": True, "revision": "main"}]
 
 
 def test_hf_package_does_not_import_transformers():
