@@ -181,15 +181,17 @@ class SALM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """requests: [(key, context_enc, continuation_enc)] -> [(sum log p(continuation | context), is_greedy)]."""
         prepared = []  # (request index, model input, scored tokens)
-        for index, (_, context_enc, continuation_enc) in enumerate(requests):
+        for index, (key, context_enc, continuation_enc) in enumerate(requests):
             if not continuation_enc:
                 raise ValueError("empty continuation: nothing to score")
             # A context that encodes to nothing (lm-eval moves a whitespace-only context's spaces into the
             # continuation) is conditioned on EOS, like an empty one; otherwise the first token would be read off
             # whatever sits at the row's last slot (a pad, in a batch).
             context_enc, continuation_enc = list(context_enc) or [self.prefix_token_id], list(continuation_enc)
-            self.requests_scored += 1
-            self.contexts_cut += len(context_enc) + min(len(continuation_enc), self.max_length) > self.max_length + 1
+            if key and key[0] is not None:  # a request, not one of a rolling perplexity's windows (never cut)
+                self.requests_scored += 1
+                self.contexts_cut += (len(context_enc) + min(len(continuation_enc), self.max_length)
+                                      > self.max_length + 1)
             # A continuation longer than the model's context is scored in consecutive pieces of max_length tokens,
             # each conditioned on as much preceding text as fits (lm-eval's HFLM refuses such requests).
             for piece in range(0, len(continuation_enc), self.max_length):

@@ -88,6 +88,10 @@ def check_eval_config(eval_cfg: dict, hf: bool = False) -> None:
         raise ConfigError("eval.data_dir", eval_cfg["data_dir"], "no such folder (it holds the task files: "
                           "see evaluation/README.md)")
     check_num_fewshot(eval_cfg.get("num_fewshot"))
+    for key, what in (("limit", "the first N examples of every task"), ("max_length", "tokens of context")):
+        value = eval_cfg.get(key)  # lm-eval would read a limit under 1 as a fraction of each task, 0 as no example
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"eval.{key}", value, f"must be null or an integer >= 1 ({what})")
     refuse_unread_keys(OmegaConf.create({"eval": eval_cfg}))
     if eval_cfg.get("num_seeds") is not None and int(eval_cfg["num_seeds"]) < 1:
         raise ConfigError("eval.num_seeds", eval_cfg["num_seeds"], "must be >= 1 (permutation seeds to average)")

@@ -348,9 +348,12 @@ def test_rolling_loglikelihood_matches_direct_computation(salm, loaded):
     w = Words(4)
     texts = [w.passage(12), w.sentence(3), w.passage(5)]  # several windows, one window, a few
     assert len(salm.tok_encode(texts[0])) > 3 * loaded.model.cfg.max_seq_len
+    salm.requests_scored = salm.contexts_cut = 0
     got = salm.loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in texts]))
     for text, logprob in zip(texts, got):
         assert logprob == pytest.approx(direct_rolling(loaded, text), abs=5e-4, rel=1e-5)
+    # its windows are never cut, and are not requests: a suite with WikiText reported "5 of 792 requests cut"
+    assert salm.requests_scored == salm.contexts_cut == 0
 
 
 def test_generate_until_is_greedy_and_stops(salm, loaded):
@@ -849,6 +852,16 @@ def test_sample_py_prints_seeded_samples_and_writes_nothing(tiny_ckpt, tmp_path)
     assert list(tmp_path.iterdir()) == []  # no .hydra folder, no log file
     bad = _run(args + ["top_p=1.5"], tmp_path)
     assert bad.returncode == 2 and "top_p=1.5" in bad.stderr
+    from omegaconf import OmegaConf
+
+    from model.config import ConfigError
+    from sample import check_sample_config
+
+    for temperature in ("nan", "inf"):  # nan crashed inside sampling, inf drew uniformly from the vocabulary
+        cfg = OmegaConf.load(ROOT / "conf" / "sample.yaml")
+        cfg.ckpt, cfg.temperature = str(tiny_ckpt), float(temperature)  # as Hydra parses temperature=nan
+        with pytest.raises(ConfigError, match="temperature"):
+            check_sample_config(cfg)
     ignored = _run(args + ["model.max_seq_len=8"], tmp_path)  # the trained context is used: say so, not ignore it
     assert ignored.returncode == 2 and "model.max_seq_len='8'" in ignored.stderr
     # a preset, as evaluate.py takes it: its kind, and the run's own window (8), not the preset's 32
@@ -1100,6 +1113,11 @@ def test_metrics_under_a_filter_and_the_shots_are_reported_as_lm_eval_ran_them()
     ("batch_size", "8", False, False),
     ("dtype", "auto", False, True),  # the model's own, as null
     ("dtype", "half", True, False),
+    ("limit", 5, False, True),
+    ("limit", 0, False, False),  # lm-eval: no example at all, found after the model loaded
+    ("limit", 0.02, False, False),  # lm-eval: 2% of every task, where eval.limit means the first N
+    ("max_length", 0, False, False),
+    ("max_length", 32, True, True),
 ])
 def test_eval_settings_are_checked_before_a_model_loads(key, value, hf, ok):
     from evaluation.runner import check_eval_config
