@@ -132,7 +132,7 @@ def _check_vocabulary(tokenizer: DictConfig, model_vocab: int) -> None:
     if tokenizer.get("path"):
         from tokenizers import Tokenizer
 
-        from data.tokenizer import eos_id
+        from data.tokenizer import eos_id, id_bound
 
         try:
             tok = Tokenizer.from_file(str(tokenizer.path))
@@ -143,7 +143,7 @@ def _check_vocabulary(tokenizer: DictConfig, model_vocab: int) -> None:
             eos_id(tok)
         except ValueError as err:  # found here, before the corpus is read
             raise ConfigError("data.tokenizer.path", tokenizer.path, str(err)) from None
-        size, what = tok.get_vocab_size(), f"{tokenizer.path}'s vocabulary"
+        size, what = id_bound(tok), f"{tokenizer.path}'s vocabulary (its largest id + 1)"
     else:
         size, what = int(tokenizer.vocab_size), "data.tokenizer.vocab_size"
     if size > model_vocab:

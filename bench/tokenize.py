@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import os
 import time
 
@@ -30,7 +31,8 @@ def main():
     from data.sources import embedded_documents, file_documents
     from data.tokenizer import train_bpe
 
-    docs = list(file_documents(args.files.split(",")) if args.files else embedded_documents())[: args.docs]
+    docs = list(itertools.islice(file_documents(args.files.split(",")) if args.files else embedded_documents(),
+                                 args.docs))  # the first N read, not the whole corpus read and then cut
     print(f"{len(docs)} documents, {sum(map(len, docs)) / 1e6:.1f}M characters, {os.cpu_count()} CPUs")
     rows = {}
     for threads in ("false", "true"):

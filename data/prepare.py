@@ -13,7 +13,6 @@ import hashlib
 import itertools
 import json
 import os
-import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from data import shards, sources
-from data.tokenizer import eos_id, load_tokenizer, tokenizer_hash, train_bpe
+from data.tokenizer import eos_id, id_bound, load_tokenizer, tokenizer_hash, train_bpe
 from model.config import ConfigError
 from tools.runlog import say
 
@@ -79,8 +78,8 @@ def cache_key(cfg: dict, spelled_paths: bool = False, folder_files: bool = True)
     elif source["kind"] == "hf" and folder_files and (folder := _local_folder(source)):
         # a local dataset folder (or a saved script's): its files, as kind=files counts them, not only its name
         source["files"] = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in _folder_files(folder.resolve())]
-    if source["kind"] == "embedded":  # the text is this Python's stdlib docstrings, which change between versions
-        source["python"] = list(sys.version_info[:2])
+    if source["kind"] == "embedded":  # the text is this Python's stdlib docstrings, which change between builds
+        source["python"] = sources.embedded_identity()
     tok = dict(cfg["tokenizer"])
     if tok.get("path"):
         tok["sha256"] = hashlib.sha256(Path(tok["path"]).read_bytes()).hexdigest()
@@ -165,12 +164,13 @@ def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
     if (root / "meta.json").is_file():
         return _cached(cfg, root)
     root.parent.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(root.parent / f".{root.name}.lock", f"another process is preparing {root}; waiting"):
+    waiting = f"another process is preparing {root}; waiting"
+    with exclusive_lock(root.parent / f".{root.name}.lock", waiting) as locked:
         if (root / "meta.json").is_file():  # built while we waited
             return _cached(cfg, root)
         try:
             with tokenizer_threads():
-                return _build(cfg, root, progress)
+                return _build(cfg, root, progress, alone=bool(locked))
         except (shards.ShardError, FileNotFoundError):
             # without a lock (or one local to a node), a builder that finished first removed the validation parts
             # this one resumed through: its folder holds the same tokens
@@ -240,8 +240,10 @@ def prepared_root(cfg, cache_dir: str | Path) -> Path:
 
 
 def _written_after(cache: Path, folder: Path) -> bool:
-    """Whether every file of `cache` is newer than every file of `folder`: prepared from it as it is now."""
-    changed = max((f.stat().st_mtime_ns for f in _folder_files(folder)), default=0)
+    """Whether every file of `cache` is newer than every file of `folder` and every change to its listing (a folder's
+    mtime moves when a file is added, removed or renamed in it, which a copy keeping old mtimes does not show)."""
+    listings = [folder, *(d for d in folder.rglob("*") if d.is_dir())]
+    changed = max(f.stat().st_mtime_ns for f in [*_folder_files(folder), *listings])
     return all(f.stat().st_mtime_ns > changed for f in cache.rglob("*") if f.is_file())
 
 
@@ -254,16 +256,17 @@ def exclusive_lock(path: Path, waiting_message: str):
     """An flock on `path` (released by the kernel if the holder dies, so a crash never leaves it stuck). Where
     there is no flock (Windows, a file system mounted without it) it warns and goes on unlocked: the writes are
     atomic and the same bytes whoever writes them, so concurrent builders repeat work, and the caller must accept
-    that another one may finish (and clean up) first."""
+    that another one may finish (and clean up) first. Yields whether the lock is held."""
     try:
         import fcntl
 
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # NFS grants an exclusive flock only to a writer
     except (ImportError, OSError) as err:
         say(f"warning: no lock at {path} ({err}); concurrent runs may repeat this work")
-        yield
+        yield False
         return
     try:
+        locked = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -271,7 +274,8 @@ def exclusive_lock(path: Path, waiting_message: str):
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as err:  # ENOLCK / EOPNOTSUPP: the file system has no flock
             say(f"warning: cannot lock {path} ({err}); concurrent runs may repeat this work")
-        yield
+            locked = False
+        yield locked
     finally:
         os.close(fd)  # closing the descriptor releases the lock
 
@@ -309,8 +313,13 @@ def _batches(docs, max_docs: int = 256, max_chars: int = 4_000_000):
         yield batch
 
 
-def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
+def _build(cfg: dict, root: Path, progress: bool, alone: bool = False) -> PreparedData:
+    """alone: this process holds the folder's lock, so no other builder is writing there and what a killed one left
+    (temporary files of up to a shard each, shards past a restart's last one) can go."""
     root.mkdir(parents=True, exist_ok=True)
+    if alone:
+        for leftover in root.glob(".*.tmp"):  # atomic_write's, from a process killed before its rename
+            leftover.unlink(missing_ok=True)
     start = time.time()
     docs = sources.documents(cfg["source"])
     max_tokens = cfg.get("max_tokens")
@@ -342,7 +351,8 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
         shards.atomic_write_bytes(root / "tokenizer.json", [tok.to_str().encode()])
     eos = eos_id(tok)
     tok.encode_special_tokens = True  # documents are text: EOS only where a document ends, appended below
-    dtype = shards.dtype_for_vocab(tok.get_vocab_size())
+    vocab_size = id_bound(tok)  # the largest id + 1: a foreign tokenizer's ids may skip numbers
+    dtype = shards.dtype_for_vocab(vocab_size)
 
     shard_tokens = int(cfg.get("shard_tokens", 100_000_000))
     train_buf: list[np.ndarray] = []
@@ -431,7 +441,7 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     meta = {
         "format_version": format_version(cfg),
         "source": cfg["source"],
-        "tokenizer": {"hash": tokenizer_hash(tok), "vocab_size": tok.get_vocab_size(), "eos_id": eos,
+        "tokenizer": {"hash": tokenizer_hash(tok), "vocab_size": vocab_size, "eos_id": eos,
                       "trained": not tok_cfg.get("path")},
         "dtype": np.dtype(dtype).name,
         "tokens": counts,
@@ -445,6 +455,9 @@ def _build(cfg: dict, root: Path, progress: bool) -> PreparedData:
     shards.atomic_write_bytes(root / "meta.json", [json.dumps(meta, indent=2).encode()])
     for name in [PROGRESS] + val_parts:  # what a resume needed; val.bin holds the parts
         (root / name).unlink(missing_ok=True)
+    if alone:  # shards an interrupted attempt wrote past this one's last (e.g. before a larger data.shard_tokens)
+        for stale in set(p.name for p in root.glob("train_*.bin")) - set(train_names):
+            (root / stale).unlink(missing_ok=True)
     return _load_prepared(root)
 
 

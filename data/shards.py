@@ -29,6 +29,14 @@ def dtype_for_vocab(vocab_size: int):
 
 
 def _umask() -> int:
+    """The process's umask, from Linux's /proc where it can: os.umask reads it only by setting it, a moment in which
+    another thread's new files would be world-writable."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -40,6 +40,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return tok
 
 
+def id_bound(tok: Tokenizer) -> int:
+    """One past the largest token id: the embedding rows and the shard dtype the ids need. get_vocab_size counts
+    tokens, which is less where a foreign tokenizer.json skips ids."""
+    return max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+
 EOS_FALLBACKS = ("</s>", "<|end_of_text|>", "<eos>")
 
 

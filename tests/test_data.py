@@ -104,6 +104,10 @@ def test_an_interrupted_preparation_resumes_after_its_last_shard(tmp_path, monke
     assert saved["counts"]["documents"] == 512 and saved["train_shards"] == ["train_000.bin", "train_001.bin"]
     assert saved["val_parts"] == ["val_part_000.bin", "val_part_001.bin"]  # the held-out documents so far
     assert not (root / "meta.json").exists()
+    # what a killed builder leaves: a temporary file not yet renamed (up to a shard each, and one per kill), and a
+    # shard past this attempt's last (an earlier attempt with smaller data.shard_tokens)
+    (root / ".train_002.bin.k1ll3d.tmp").write_bytes(b"\0" * 4096)
+    shards.write_shard(root / "train_009.bin", np.arange(10, dtype=np.uint16))
     monkeypatch.setattr(sources, "documents", real)
     capsys.readouterr()
     resumed = prepare(cfg, tmp_path / "cut", progress=False)
@@ -772,10 +776,15 @@ def test_cache_key_covers_the_python_version_and_the_hub_revision(monkeypatch, t
 
     cfg = {"source": {"kind": "embedded"}, "tokenizer": {"path": None, "vocab_size": 300, "train_chars": 10**7},
            "val_fraction": 0.05}
+    from data import sources
+
     here = cache_key(cfg)
-    monkeypatch.setattr(sys, "version_info", (3, 99, 0, "final", 0))
+    # another patch release or build of the same 3.x (3.11.2 and 3.11.7 differ in pydoc pages and docstrings)
+    monkeypatch.setattr(sys, "version", sys.version.replace(".", ".9", 1) + " (another build)")
+    sources.embedded_identity.cache_clear()
     other_python = cache_key(cfg)
     monkeypatch.undo()
+    sources.embedded_identity.cache_clear()
     assert other_python != here == cache_key(cfg)
 
     hub = OmegaConf.to_container(compose_train(["data=slimpajama"], tmp_path / "run").data.source)
@@ -812,6 +821,13 @@ def test_cache_key_covers_the_files_of_a_local_hf_dataset_folder(tmp_path):
     (legacy / "meta.json").write_text("{}")
     assert prepared_root(cfg, tmp_path / "cache") == legacy
     os.utime(legacy / "meta.json", ns=(0, 0))  # older than the folder's file: prepared from other documents
+    assert prepared_root(cfg, tmp_path / "cache") == tmp_path / "cache" / f"hf-{cache_key(cfg)}"
+    # a file copied in with its old mtime (cp -p, rsync -a, tar) moves only the folder's: that counts too
+    os.utime(folder, ns=(1, 1))
+    os.utime(legacy / "meta.json", ns=(2, 2))
+    assert prepared_root(cfg, tmp_path / "cache") == legacy
+    (folder / "more.jsonl").write_text(json.dumps({"text": "a document copied in"}) + "\n")
+    os.utime(folder / "more.jsonl", ns=(1, 1))
     assert prepared_root(cfg, tmp_path / "cache") == tmp_path / "cache" / f"hf-{cache_key(cfg)}"
 
 
@@ -893,3 +909,39 @@ def test_a_corpus_is_tokenized_with_threads_and_they_are_off_afterwards(tmp_path
     assert threaded.tokenizer_path.read_text() == single.tokenizer_path.read_text()
     assert all(np.array_equal(shards.read_shard(a), shards.read_shard(b))
                for a, b in zip(threaded.train_shards + [threaded.val_shard], single.train_shards + [single.val_shard]))
+
+
+def test_a_tokenizer_whose_ids_skip_numbers_gets_shards_wide_enough(tmp_path):
+    """get_vocab_size counts tokens: a tokenizer.json of 4 tokens with ids up to 70000 got uint16 shards (numpy 2:
+    an OverflowError naming no file; numpy 1: ids wrapped in silence) and meta.vocab_size 4 for train.py's check."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "[UNK]": 1, "low": 5, "high": 70000}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": " ".join(["low", "high"][(i + j) % 2] for j in range(5 + i))})
+                              + "\n" for i in range(40)))
+    data = prepare(data_cfg([corpus], tokenizer={"path": str(tmp_path / "tokenizer.json")}, val_fraction=0.2),
+                   tmp_path / "cache", progress=False)
+    assert data.vocab_size == 70001 and data.meta["dtype"] == "uint32"
+    tokens = np.concatenate([shards.read_shard(p) for p in data.train_shards + [data.val_shard]])
+    assert set(tokens.tolist()) == {0, 5, 70000}
+
+
+def test_the_umask_is_read_without_being_set(tmp_path, monkeypatch):
+    """Setting the umask to 0 to read it back made files other threads created meanwhile world-writable."""
+    import os
+
+    calls = []
+    real = os.umask
+    monkeypatch.setattr(os, "umask", lambda mask: calls.append(mask) or real(mask))
+    old = real(0o027)
+    try:
+        assert shards._umask() == 0o027
+        shards.atomic_write_text(tmp_path / "r.json", "{}")
+    finally:
+        real(old)
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o640
+    assert calls == [] or not Path("/proc/self/status").is_file()
+
