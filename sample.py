@@ -23,8 +23,8 @@ def check_sample_config(cfg: DictConfig) -> None:
     for key in ("num_samples", "max_new_tokens"):
         if not _is_int(cfg[key]) or cfg[key] < 1:
             raise ConfigError(key, cfg[key], "a positive integer")
-    if not _is_number(cfg.temperature) or cfg.temperature < 0:
-        raise ConfigError("temperature", cfg.temperature, ">= 0 (0: greedy)")
+    if not _is_number(cfg.temperature) or not 0 <= cfg.temperature < float("inf"):  # nan fails the compare too
+        raise ConfigError("temperature", cfg.temperature, "a finite number >= 0 (0: greedy)")
     if cfg.top_k is not None and (not _is_int(cfg.top_k) or cfg.top_k < 1):
         raise ConfigError("top_k", cfg.top_k, "a positive integer, or null for no cut")
     if cfg.top_p is not None and (not _is_number(cfg.top_p) or not 0 < cfg.top_p <= 1):

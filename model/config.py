@@ -109,6 +109,9 @@ class AttentionConfig:
             raise ConfigError("attention.eval_seed", self.eval_seed, "an integer (seeds SA's evaluation permutations)")
         if not isinstance(self.per_sequence_perm, bool):
             raise ConfigError("attention.per_sequence_perm", self.per_sequence_perm, "true or false")
+        if self.kind == "moba" and self.window < 2:
+            raise ConfigError("attention.window", self.window, f"MoBA takes the top-{MOBA_TOP_K} blocks of window/2 "
+                              "keys, so window >= 2 (at 1 a query would see 2 keys)")
 
     def sees_every_earlier_token(self, n: int) -> bool:
         """Whether every query sees all earlier tokens at sequence length n: full causal attention in effect.
@@ -161,6 +164,8 @@ class ModelConfig:
             value = getattr(self, key)
             if not _is_number(value) or not 0 < value < float("inf"):
                 raise ConfigError(f"model.{key}", value, "must be a positive (finite) number")
+        if self.rope_theta <= 1:  # frequencies theta^(-2i/d) of 1 and above: positions repeat every few tokens
+            raise ConfigError("model.rope_theta", self.rope_theta, "the RoPE base must exceed 1 (10000 is usual)")
         if not isinstance(self.tie_embeddings, bool):
             raise ConfigError("model.tie_embeddings", self.tie_embeddings, "true or false")
         if self.n_kv_heads is None:

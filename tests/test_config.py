@@ -109,6 +109,8 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("model.n_kv_heads=2.0", "model.n_kv_heads"),
         ("model.vocab_size=true", "model.vocab_size"),
         ("model.rope_theta=1e", "model.rope_theta"),
+        ("model.rope_theta=1", "model.rope_theta"),  # every frequency 1 rad/token: positions repeat every ~6 tokens
+        ("attention.kind=moba attention.window=1", "attention.window"),  # blocks of 1, top-2: 2 keys for w=1
         ("attention.window=true", "attention.window"),
         ("attention.eval_seed=first", "attention.eval_seed"),
         ("attention.per_sequence_perm=1", "attention.per_sequence_perm"),
