@@ -21,7 +21,7 @@ import os
 import torch
 
 from kernels.order import check_perm as check_perm_rows
-from kernels.order import check_qkv
+from kernels.order import assert_permutation_async, check_qkv
 
 BACKENDS = ("auto", "torch", "triton", "flex", "naive")
 
@@ -92,7 +92,10 @@ def banded_attention(
     """
     check_qkv(q, k, v)
     if perm is not None:
-        check_perm_rows(perm, q.shape[2], q.shape[0], values=check_perm and not torch.compiler.is_compiling())
+        compiling = torch.compiler.is_compiling()
+        check_perm_rows(perm, q.shape[2], q.shape[0], values=check_perm and not compiling)
+        if check_perm and compiling:
+            assert_permutation_async(perm, q.shape[2])
     left, right = band if band is not None else default_band(window, perm is not None)
     left, right = operator.index(left), operator.index(right)
     if left < 0 or right < 0:

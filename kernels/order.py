@@ -69,3 +69,11 @@ def check_perm(perm: torch.Tensor, n: int, batch: int, values: bool = True) -> N
         where = f"perm[{row}]" if perm.dim() == 2 else "perm"
         raise ValueError(f"{where} is not a permutation of 0..{n - 1}: it repeats entries and misses "
                          f"{int(missing[row].sum())} (e.g. {int(missing[row].nonzero()[0])})")
+
+
+def assert_permutation_async(perm: torch.Tensor, n: int) -> None:
+    """check_perm's values check in a form torch.compile traces (no wait for the device): the graph raises where it
+    runs. Compiled callers skipped the check, and a bad pi made the torch backend read unwritten memory."""
+    rows = perm.reshape(-1, n).long()
+    ok = (rows.sort(-1).values == torch.arange(n, device=rows.device)).all()
+    torch._assert_async(ok, f"perm is not a permutation of 0..{n - 1} (each row)")

@@ -68,24 +68,9 @@ class _BandedSDPA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, perm, inv, left: int, right: int, block: int, scale):
-        B, H, n, D = q.shape
-        nb = math.ceil(n / block)
-        span, Lq, Lk = block + left + right, nb * block, nb * block + left + right
-        out = _empty((B, H, n, D), q)
-        saved = []
-        for b in range(B):
-            p, ip = _row(perm, b), _row(inv, b)
-            qb = _gather_padded(q[b], p, 0, Lq - n)
-            kb, vb = (_gather_padded(t[b], p, left, Lk - n - left) for t in (k, v))
-            o, lse = _sdpa_fwd(_q_view(qb, block), _k_view(kb, block, span), _k_view(vb, block, span), 0.0, False,
-                               attn_mask=_mask_for(mask, b, H), scale=scale)
-            # o is [nb, H, block, D] laid out as [H, nb*block, D]: reading it in that layout is free.
-            _gather_into(out[b], o.transpose(0, 1).reshape(H, Lq, D), ip, dim=1)
-            # The backward reads q/k/v in this padded slot order: keeping these buffers instead of q, k, v costs
-            # (n + w) / n of the memory and saves it three gathers through pi.
-            saved += [qb, kb, vb, o, lse]
+        out, saved = _banded_forward(q, k, v, mask, perm, inv, left, right, block, scale, keep=True)
         ctx.save_for_backward(mask, perm, inv, *saved)
-        ctx.shape = (B, H, n, D, left, right, block, scale)
+        ctx.shape = (*q.shape, left, right, block, scale)
         return out
 
     @staticmethod
@@ -108,6 +93,28 @@ class _BandedSDPA(torch.autograd.Function):
             _gather_into(dk[b].transpose(0, 1), _fold_spans(gk, block, Lk)[left : left + n], ip, dim=0)
             _gather_into(dv[b].transpose(0, 1), _fold_spans(gv, block, Lk)[left : left + n], ip, dim=0)
         return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _banded_forward(q, k, v, mask, perm, inv, left: int, right: int, block: int, scale, keep: bool):
+    """(out, what the backward reads): one sequence at a time through the fused kernel; keep=False (no gradient to
+    come) frees each sequence's padded buffers before the next, where keeping them all held ~3x the input."""
+    B, H, n, D = q.shape
+    nb = math.ceil(n / block)
+    span, Lq, Lk = block + left + right, nb * block, nb * block + left + right
+    out = _empty((B, H, n, D), q)
+    saved = []
+    for b in range(B):
+        p, ip = _row(perm, b), _row(inv, b)
+        qb = _gather_padded(q[b], p, 0, Lq - n)
+        kb, vb = (_gather_padded(t[b], p, left, Lk - n - left) for t in (k, v))
+        o, lse = _sdpa_fwd(_q_view(qb, block), _k_view(kb, block, span), _k_view(vb, block, span), 0.0, False,
+                           attn_mask=_mask_for(mask, b, H), scale=scale)
+        # o is [nb, H, block, D] laid out as [H, nb*block, D]: reading it in that layout is free.
+        _gather_into(out[b], o.transpose(0, 1).reshape(H, Lq, D), ip, dim=1)
+        if keep:  # the backward reads q/k/v in this padded slot order: keeping these buffers instead of q, k, v
+            saved += [qb, kb, vb, o, lse]  # costs (n + w) / n of the memory and saves it three gathers through pi
+        del qb, kb, vb, o, lse  # else freed before the next sequence's are allocated
+    return out, saved
 
 
 def _row(index, b: int):
@@ -217,7 +224,9 @@ def torch_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None
     n_blocks = math.ceil(n / block)
     mask = _block_masks(storage_positions(perm, n, q.device), n, left, right, block, n_blocks, q.dtype)
     if q.device.type == "cpu" and FUSED_CPU_BACKWARD:
-        return _BandedSDPA.apply(q, k, v, mask, perm, inv, left, right, block, scale)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return _BandedSDPA.apply(q, k, v, mask, perm, inv, left, right, block, scale)
+        return _banded_forward(q, k, v, mask, perm, inv, left, right, block, scale, keep=False)[0]  # inference
     # Other devices: the same layout through the public SDPA and autograd (the Triton backend is faster there).
     if perm is not None:
         q, k, v = (gather_rows(t, perm) for t in (q, k, v))

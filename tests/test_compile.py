@@ -100,3 +100,18 @@ def test_compiled_blocks_with_activation_checkpointing_match_the_eager_model():
         for i, (g, e) in enumerate(zip(grads, expected)):
             assert_close(g, e, f"gradient {i}, step {step}")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_bad_permutation_is_refused_in_a_compiled_graph_too():
+    """The values check waits for the device, so compiled graphs skipped it: a pi repeating an entry ran, and the
+    torch backend read the inverse's unwritten slot (an output row copied from elsewhere)."""
+    from kernels import banded_attention
+
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    attend = torch.compile(lambda q, k, v, p: banded_attention(q, k, v, 3, perm=p, backend="torch"),
+                           fullgraph=True, backend="eager")
+    good = torch.randperm(8, generator=torch.Generator().manual_seed(0))
+    expected = banded_attention(q, k, v, 3, perm=good, backend="torch")
+    torch.testing.assert_close(attend(q, k, v, good), expected)
+    with pytest.raises(RuntimeError, match="not a permutation"):
+        attend(q, k, v, torch.tensor([0, 1, 2, 3, 4, 5, 6, 6]))
