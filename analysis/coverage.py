@@ -106,7 +106,9 @@ def markdown(cov: dict | None, sw: list[dict] | None, sw_args: dict | None = Non
         lines += [f"## Coverage: n={n}, w={w}, {L} layers, π {cov['mode']} mode (seed {cov['seed']}"
                   + (f", step {cov['step']}" if cov["mode"] == "train" else "") + ")", "",
                   f"Fraction of causal (query, key) pairs reachable through chains of attention edges; {sample}. "
-                  f"Theory: SWA exact (reach L·(w−1)); SA and gated mean field (analysis/theory.py). "
+                  f"Theory: SWA exact (reach L·(w−1)); SA and gated mean field (analysis/theory.py), which treats "
+                  f"a slot's band neighbours as independent: at small w it overstates gated SA+SWA's coverage (its "
+                  f"SWA neighbours reach nearly the same tokens) and the layer it first covers every pair. "
                   f"⌈log_w n⌉ = {cov['log_w_n']}.", ""]
         head = ["layer", "SWA reach L(w−1)"]
         for k in kinds:
@@ -170,7 +172,7 @@ def plot(cov: dict, path: Path) -> None:
     colors = {"swa": "tab:blue", "sa": "tab:orange", "gated_sa_swa": "tab:green"}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for kind, values in cov["measured"].items():
-        th = np.array(cov["theory"][kind])
+        th = np.array(cov["theory_on_keys"].get(kind, cov["theory"][kind]))  # the table's curve: on the same keys
         for ax, f in ((axes[0], lambda v: np.asarray(v)), (axes[1], lambda v: np.maximum(1 - np.asarray(v), 1e-9))):
             ax.plot(x, f(values), "o-", color=colors[kind], label=f"{LABELS[kind]} measured")
             ax.plot(x, f(th), "--", color=colors[kind], alpha=0.7,
@@ -215,7 +217,9 @@ def main(argv=None) -> int:
         ap.error("need n >= 2, w >= 2 and layers >= 1")
     if not 0 <= args.sw_layer < args.layers:
         ap.error(f"--sw-layer {args.sw_layer}: a layer of the stack, 0 .. {args.layers - 1}")
-    keys = None if args.keys == "all" else int(args.keys)
+    keys = None if args.keys == "all" else int(args.keys) if args.keys.lstrip("-").isdigit() else 0
+    if keys is not None and keys < 1:  # 0 divided by zero deep in the estimate
+        ap.error(f"--keys {args.keys}: a number of sampled keys >= 1, or all")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     training = args.mode == "train"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,8 @@ all positions are scored in one teacher-forced forward pass over prompt + answer
 permutation of that length, rather than a fresh one per decoding step), and padded batches carry their lengths (SA
 permutes only real tokens, so batching changes nothing).
 Distances are re-measured on the final token sequence; "beyond SWA" marks items further back than n_layers*(w-1),
-the reach of an SWA stack with this checkpoint's depth and window.
+the reach of an SWA stack with this checkpoint's depth and window (reach_window=<w> sets another window: for a full
+attention run whose preset window is the whole context, the sweep's SWA window).
 
 Read the accuracies against two things this file reports beside them:
 - "constant guess": what always answering the subset's most common answer scores. Answers are drawn uniformly, but a
@@ -46,14 +47,14 @@ from model.config import STOCHASTIC_KINDS
 DEFAULTS = {"ckpt": None, "task": "kv,passkey", "num": 200, "num_pairs": 8, "key_digits": 3, "value_digits": 4,
             "filler": "sentences", "seed": 1234, "seeds": 1,
             "context": None, "min_distance": None, "max_distance": None, "buckets": 8, "batch_size": 8,
-            "device": "cpu", "out": None}
+            "reach_window": None, "device": "cpu", "out": None}
 ATTENTION_KEYS = ("kind", "window", "backend", "eval_seed")
 
 
 # What a probe score measures beyond the checkpoint and attention: given otherwise than the run trained (or the
 # defaults), they make another score, kept in a folder of its own and labelled apart by tools.compare
 MEASURE_KEYS = ("task", "num", "num_pairs", "key_digits", "value_digits", "filler", "seed", "context", "min_distance",
-                "max_distance", "buckets")
+                "max_distance", "buckets", "reach_window")
 
 
 def setting_suffix(setting: dict) -> str:
@@ -67,7 +68,7 @@ def setting_suffix(setting: dict) -> str:
 
 
 INT_KEYS = ("num", "num_pairs", "key_digits", "value_digits", "seed", "seeds", "context", "min_distance",
-            "max_distance", "buckets", "batch_size")
+            "max_distance", "buckets", "batch_size", "reach_window")
 
 
 def parse_args(argv: list[str], defaults: dict = DEFAULTS, int_keys: tuple = INT_KEYS) -> tuple[dict, dict]:
@@ -82,7 +83,10 @@ def parse_args(argv: list[str], defaults: dict = DEFAULTS, int_keys: tuple = INT
             sub = key.split(".", 1)[1]
             if sub not in ATTENTION_KEYS:
                 raise SystemExit(f"error: unknown key {key!r}; attention overrides: {ATTENTION_KEYS}")
-            attention[sub] = int(value) if sub in ("window", "eval_seed") else value
+            try:
+                attention[sub] = int(value) if sub in ("window", "eval_seed") else value
+            except ValueError:
+                raise SystemExit(f"error: {key}={value!r} must be an integer") from None
         elif key in defaults:
             try:
                 given[key] = None if value in ("null", "None") else (int(value) if key in int_keys else value)
@@ -233,13 +237,21 @@ def evaluate(given: dict, attention: dict | None = None, log=print) -> dict:
         raise SystemExit(f"error: context={context} exceeds the model's max_seq_len={mcfg.max_seq_len}")
     if int(cfg["seeds"]) < 1:
         raise SystemExit(f"error: seeds={cfg['seeds']} must be >= 1 (eval permutation seeds to average over)")
+    for key in ("num", "buckets", "reach_window"):  # buckets=0 left most prompts out of the table in silence
+        if cfg[key] is not None and int(cfg[key]) < 1:
+            raise SystemExit(f"error: {key}={cfg[key]} must be >= 1")
     uses_perm = acfg.kind in STOCHASTIC_KINDS
     seeds = [acfg.eval_seed + i for i in range(int(cfg["seeds"]) if uses_perm else 1)]
     if int(cfg["seeds"]) > 1 and not uses_perm:
         log(f"attention {acfg.kind} draws no permutation: one pass instead of seeds={cfg['seeds']}")
     # The same buckets and beyond/within split for every variant of a sweep: full attention is scored against the reach
-    # an SWA stack of its depth and (configured) window would have, so its row lines up with the others.
-    reach = mcfg.n_layers * (acfg.window - 1)
+    # an SWA stack of its depth and (configured) window would have, so its row lines up with the others; where its
+    # preset's window is the whole context (attention=full of most experiments), reach_window= names the sweep's.
+    reach = mcfg.n_layers * (int(cfg["reach_window"] or acfg.window) - 1)
+    if acfg.kind == "full" and not cfg["reach_window"] and reach >= context - 1:
+        log(f"attention full with window {acfg.window}: an SWA stack of that window reaches the whole context, so "
+            "every prompt counts as within the reach; give reach_window=<the sweep's SWA window> to split this run's "
+            "scores where the SWA runs' are split")
     tasks = [t for t in str(cfg["task"]).split(",") if t]
     summary = {"suite": "probes", "checkpoint": str(ckpt), **loaded.identity(),
                "attention": {"kind": acfg.kind, "window": acfg.window, "eval_seeds": seeds},

@@ -140,6 +140,9 @@ def test_coverage_cli_writes_table_and_plot(tmp_path, capsys):
     assert "identical to the measured column" in text and "Small-world" in text
     assert (tmp_path / "coverage.png").stat().st_size > 10_000
     assert (tmp_path / "coverage.json").is_file()
+    with pytest.raises(SystemExit):  # it divided by zero deep in the estimate
+        main(["--n", "256", "--w", "8", "--layers", "2", "--keys", "0", "--out", str(tmp_path)])
+    assert "--keys 0: a number of sampled keys >= 1" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------- loss by position
