@@ -5,7 +5,9 @@ sum_t min(t + 1, L(w-1) + 1) out of n(n+1)/2.
 
 SA and gated SA+SWA (mean field): let p_l(d) be the probability that a query reaches the key d positions back after
 l layers. In SA each of the w-1 other band slots of a query holds a uniformly random token, so every earlier token is
-an in-neighbour with probability q = (w-1)/(n-1), independently per layer. A key is reached iff the query reached it
+an in-neighbour with probability q ~ (w-1)/(n-1), independently per layer (exactly: the share of ordered slot pairs
+whose offset lies in the band (left, right), which counts the band's cut-off at the ends of the permuted order and
+makes layer 1 exact; it matters where w is a sizeable fraction of n). A key is reached iff the query reached it
 already (the self edge) or some in-neighbour at distance e < d reached it; treating those events as independent,
 
     1 - p_l(d) = (1 - p_{l-1}(d)) * prod_{e=0}^{d-1} (1 - q p_{l-1}(e))                         (SA)
@@ -56,11 +58,27 @@ def _window_log_sum(log1m: np.ndarray, ones: np.ndarray, w: int) -> tuple[np.nda
     return c_log[d] - c_log[lo], c_one[d] - c_one[lo]
 
 
+def band_pair_probability(n: int, w: int) -> float:
+    """Probability that a uniformly random permutation puts two given tokens within one SA band of each other: the
+    query's slot s and the key's s + d with -left <= d <= right, d != 0, over the n (n - 1) ordered slot pairs, of
+    which n - |d| have offset d. (left, right) = kernels.default_band(w, permuted=True)."""
+    if n <= 1:
+        return 0.0
+    left = (w - 1) // 2
+    right = w - 1 - left
+
+    def offsets(m):  # ordered slot pairs with an offset of 1..m
+        m = min(m, n - 1)
+        return m * n - m * (m + 1) / 2
+
+    return (offsets(left) + offsets(right)) / (n * (n - 1))
+
+
 def mean_field_distance(n: int, w: int, layers: int, kind: str) -> list[np.ndarray]:
     """p_l(d) for l = 1..layers (see the module docstring); kind in swa, sa, gated_sa_swa."""
     if kind not in ("swa", "sa", "gated_sa_swa"):
         raise ValueError(f"kind must be swa, sa or gated_sa_swa, got {kind!r}")
-    q = (w - 1) / (n - 1) if n > 1 else 0.0
+    q = band_pair_probability(n, w)
     p = np.zeros(n)
     p[0] = 1.0
     out = []

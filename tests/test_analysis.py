@@ -208,3 +208,11 @@ def test_position_loss_cli_past_the_trained_context(tiny_ckpt, corpus_file, tmp_
             f"position_loss/loss [context=128, text={books}, windows=6]"} <= set(evals)
     with pytest.raises(SystemExit, match="no document holds 100001 tokens"):
         main([f"ckpt={run_dir}", "context=100000", f"text={books}"])
+
+
+@pytest.mark.parametrize("n,w", [(64, 100), (256, 128), (300, 7)])
+def test_sa_mean_field_is_exact_after_one_layer(n, w):
+    """Layer 1 reaches exactly the band's direct edges; q = (w-1)/(n-1) ignored the band's cut-off at the ends of
+    the permuted order and claimed full coverage after one layer at n=64, w=100 (0.953 measured)."""
+    exact = np.mean([coverage_by_layer(stack_paths("sa", 1, n, w, seed=s), np.arange(n))[0] for s in range(8)])
+    assert mean_field_coverage(n, w, 1, "sa")[0] == pytest.approx(exact, abs=0.01)
