@@ -266,6 +266,8 @@ def test_bad_arguments_are_refused():
     q, k, v = make_qkv(1, 3, 2, 8, 16, seed=0)
     with pytest.raises(ValueError, match="multiple"):
         banded_attention(q, k, v, 4)
+    with pytest.raises(ValueError, match="multiple"):  # no key/value head: a ZeroDivisionError before
+        banded_attention(q, k[:, :0], v[:, :0], 4)
     q, k, v = make_qkv(1, 2, 2, 8, 16, seed=0)
     with pytest.raises(ValueError, match="window"):
         banded_attention(q, k, v, 0)
