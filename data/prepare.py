@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import json
 import os
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -63,11 +64,12 @@ def _plain(obj):
     return obj
 
 
-def cache_key(cfg: dict, spelled_paths: bool = False, folder_files: bool = True) -> str:
+def cache_key(cfg: dict, spelled_paths: bool = False, folder_files: bool = True, python_build: bool = True) -> str:
     """The hash of what the prepared data depends on. Local files count by identity (absolute path, size, mtime, in
     order), however their paths were written, a local data=hf folder's too; `spelled_paths`: the key of caches made
     before 2026-12-02, which hashed the paths as written and the files as resolved from them; not `folder_files`:
-    the key of data=hf caches made before 2026-12-04, which hashed a local folder's name only."""
+    the key of data=hf caches made before 2026-12-04, which hashed a local folder's name only; not `python_build`: the
+    key of embedded caches made before 2026-12-05, which hashed Python's major.minor only."""
     source = dict(cfg["source"])
     if source["kind"] == "files" and spelled_paths:
         source["files"] = [(f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns)
@@ -79,7 +81,7 @@ def cache_key(cfg: dict, spelled_paths: bool = False, folder_files: bool = True)
         # a local dataset folder (or a saved script's): its files, as kind=files counts them, not only its name
         source["files"] = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in _folder_files(folder.resolve())]
     if source["kind"] == "embedded":  # the text is this Python's stdlib docstrings, which change between builds
-        source["python"] = sources.embedded_identity()
+        source["python"] = sources.embedded_identity() if python_build else list(sys.version_info[:2])
     tok = dict(cfg["tokenizer"])
     if tok.get("path"):
         tok["sha256"] = hashlib.sha256(Path(tok["path"]).read_bytes()).hexdigest()
@@ -225,9 +227,14 @@ def prepared_root(cfg, cache_dir: str | Path) -> Path:
     """Where prepare() keeps (or would build) the shards of `cfg`: an existing folder under the key of before
     2026-12-02 (finished, or an interrupted preparation to resume) is found too, so no corpus is tokenized again;
     so is a local data=hf folder's under the key of before 2026-12-04 (its name only) where every file of it was
-    written after the folder's last change."""
+    written after the folder's last change; and an embedded corpus's under the key of before 2026-12-05 (Python's
+    major.minor: made by this Python unless the cache is shared between machines)."""
     cfg = _plain(cfg)
     root = Path(cache_dir) / f"{cfg['source']['kind']}-{cache_key(cfg)}"
+    if cfg["source"]["kind"] == "embedded" and not _started(root):
+        legacy = Path(cache_dir) / f"embedded-{cache_key(cfg, python_build=False)}"
+        if _started(legacy):
+            return legacy
     if cfg["source"]["kind"] == "files" and not _started(root):
         legacy = Path(cache_dir) / f"files-{cache_key(cfg, spelled_paths=True)}"
         if _started(legacy):
@@ -242,7 +249,8 @@ def prepared_root(cfg, cache_dir: str | Path) -> Path:
 def _written_after(cache: Path, folder: Path) -> bool:
     """Whether every file of `cache` is newer than every file of `folder` and every change to its listing (a folder's
     mtime moves when a file is added, removed or renamed in it, which a copy keeping old mtimes does not show)."""
-    listings = [folder, *(d for d in folder.rglob("*") if d.is_dir())]
+    listings = [folder, *(d for d in folder.rglob("*")  # not hidden ones (.git, .cache), as _folder_files
+                          if d.is_dir() and not any(p.startswith(".") for p in d.relative_to(folder).parts))]
     changed = max(f.stat().st_mtime_ns for f in [*_folder_files(folder), *listings])
     return all(f.stat().st_mtime_ns > changed for f in cache.rglob("*") if f.is_file())
 
@@ -317,10 +325,11 @@ def _build(cfg: dict, root: Path, progress: bool, alone: bool = False) -> Prepar
     """alone: this process holds the folder's lock, so no other builder is writing there and what a killed one left
     (temporary files of up to a shard each, shards past a restart's last one) can go."""
     root.mkdir(parents=True, exist_ok=True)
-    if alone:
-        for leftover in root.glob(".*.tmp"):  # atomic_write's, from a process killed before its rename
-            leftover.unlink(missing_ok=True)
     start = time.time()
+    if alone:  # an hour untouched: a flock local to a node does not keep another node's builder out, whose files
+        for leftover in root.glob(".*.tmp"):  # are being written; atomic_write's, of a process killed before its rename
+            if start - leftover.stat().st_mtime > 3600:
+                leftover.unlink(missing_ok=True)
     docs = sources.documents(cfg["source"])
     max_tokens = cfg.get("max_tokens")
     saved = _resumable(root, format_version(cfg))
@@ -457,7 +466,8 @@ def _build(cfg: dict, root: Path, progress: bool, alone: bool = False) -> Prepar
         (root / name).unlink(missing_ok=True)
     if alone:  # shards an interrupted attempt wrote past this one's last (e.g. before a larger data.shard_tokens)
         for stale in set(p.name for p in root.glob("train_*.bin")) - set(train_names):
-            (root / stale).unlink(missing_ok=True)
+            if (root / stale).stat().st_mtime < start:  # not one another node's builder wrote meanwhile
+                (root / stale).unlink(missing_ok=True)
     return _load_prepared(root)
 
 

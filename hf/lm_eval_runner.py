@@ -91,7 +91,7 @@ def make_lm(model, tokenizer, batch_size=8, max_length: int | None = None, pad_s
             # counted as the native path counts them (evaluation.lm.SALM): HFLM keeps the last max_length tokens
             # of context + continuation and warns once per request, which tells no total
             for key, context_enc, continuation_enc in requests:
-                if key and key[0] is not None:  # not a rolling perplexity's window (HFLM keys those (None,))
+                if key and key[0] is not None:  # not a rolling perplexity's window (HFLM's key None)
                     self.requests_scored += 1
                     self.contexts_cut += len(context_enc) + len(continuation_enc) > self.max_length + 1
             return super()._loglikelihood_tokens(requests, *args, **kwargs)
@@ -209,6 +209,12 @@ def _same_settings(results: dict, settings: dict, tasks: list[str]) -> bool:
     return same
 
 
+def _model_id(name) -> str:
+    """A local folder by its resolved path (./ckpt, ckpt/ and /abs/ckpt are one model), a hub name as written."""
+    path = Path(str(name)).expanduser()
+    return str(path.resolve()) if path.exists() else str(name)
+
+
 def sweep(model_name_or_path, kinds, windows, tasks, out_dir, **kwargs) -> list[dict]:
     """Load once; evaluate every (kind, window) (full once); one JSON per configuration + summary.md in out_dir."""
     from data.shards import atomic_write_text
@@ -236,7 +242,7 @@ def sweep(model_name_or_path, kinds, windows, tasks, out_dir, **kwargs) -> list[
         name = kind if window is None else f"{kind}_w{window}"
         path = out / f"{name}.json"
         results = json.loads(path.read_text()) if path.exists() else None  # resumable: finished ones are kept
-        if results is not None and results.get("model") != str(model_name_or_path):  # another model's scores
+        if results is not None and _model_id(results.get("model")) != _model_id(model_name_or_path):  # another's
             log.info("%s: %s holds scores of %s; running it again", name, path, results.get("model"))
             results = None
         if results is not None and not _same_settings(results, settings, shown):

@@ -79,9 +79,6 @@ def patch_model(model, kind: str, window: int | None = None, seed: int = 0, back
     return model
 
 
-# the caches under which a prefill sees as many keys as queries; a static cache is allocated at full length, so the
-# prefill's queries would meet more keys and run full attention (hf.attention), scored as the patched kind
-_PREFILL_CACHES = (None, "dynamic", "offloaded", "quantized")
 
 
 def _generate_with_cache(self, *args, **kwargs):
@@ -96,16 +93,20 @@ def _generate_with_cache(self, *args, **kwargs):
             given = inspect.signature(generate).bind_partial(self, *args, **kwargs).arguments
         except TypeError:  # let generate itself report the bad call
             given = {}
-        config = given.get("generation_config") or getattr(self, "generation_config", None)
         extra = given.get("kwargs", kwargs)
+        configs = [c for c in (given.get("generation_config"), getattr(self, "generation_config", None)) if c]
 
-        def setting(name, default=None):
-            return extra[name] if name in extra else getattr(config, name, default)
+        def setting(name, default=None):  # as generate resolves it: keyword, the config given, the model's own
+            if name in extra:
+                return extra[name]
+            return next((getattr(c, name) for c in configs if getattr(c, name, None) is not None), default)
 
         if setting("use_cache", True) is False:
             raise ValueError("hf.patch_model: generate(use_cache=False) would apply the prefill pattern to every "
                              "decoding step; generate with the cache (decoding is full attention over it)")
-        if setting("cache_implementation") not in _PREFILL_CACHES:
+        # a static cache is allocated at full length: the prefill's queries meet more keys and run full attention
+        # (hf.attention); "hybrid" (Gemma 3's config) is a dynamic cache in transformers 5
+        if "static" in str(setting("cache_implementation") or ""):
             raise ValueError(f"hf.patch_model: generate(cache_implementation={setting('cache_implementation')!r}) "
                              f"would run the prompt with full attention, not {settings.kind}: a static cache gives "
                              "the prefill more keys than queries; use a dynamic cache (the default)")

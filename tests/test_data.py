@@ -2,6 +2,8 @@
 
 import gzip
 import json
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +109,8 @@ def test_an_interrupted_preparation_resumes_after_its_last_shard(tmp_path, monke
     # what a killed builder leaves: a temporary file not yet renamed (up to a shard each, and one per kill), and a
     # shard past this attempt's last (an earlier attempt with smaller data.shard_tokens)
     (root / ".train_002.bin.k1ll3d.tmp").write_bytes(b"\0" * 4096)
+    os.utime(root / ".train_002.bin.k1ll3d.tmp", (time.time() - 7200,) * 2)
+    (root / ".train_003.bin.wr1t1ng.tmp").write_bytes(b"\0")  # fresh: maybe another node's builder, kept
     shards.write_shard(root / "train_009.bin", np.arange(10, dtype=np.uint16))
     monkeypatch.setattr(sources, "documents", real)
     capsys.readouterr()
@@ -119,6 +123,7 @@ def test_an_interrupted_preparation_resumes_after_its_last_shard(tmp_path, monke
         assert ours.read_bytes() == theirs.read_bytes(), ours.name
     assert resumed.meta["tokens"] == whole.meta["tokens"]
     assert resumed.meta["seconds"] >= saved["seconds"]  # the time of both attempts
+    (root / ".train_003.bin.wr1t1ng.tmp").unlink()
     assert sorted(p.name for p in root.iterdir()) == sorted(p.name for p in whole.root.iterdir())  # nothing left
 
 
@@ -786,6 +791,14 @@ def test_cache_key_covers_the_python_version_and_the_hub_revision(monkeypatch, t
     monkeypatch.undo()
     sources.embedded_identity.cache_clear()
     assert other_python != here == cache_key(cfg)
+    # a cache under the key of before (major.minor) is found, so the default corpus is not tokenized again
+    from data.prepare import prepared_root
+
+    legacy = tmp_path / "cache" / f"embedded-{cache_key(cfg, python_build=False)}"
+    assert prepared_root(cfg, tmp_path / "cache") == tmp_path / "cache" / f"embedded-{here}"
+    legacy.mkdir(parents=True)
+    (legacy / "meta.json").write_text("{}")
+    assert prepared_root(cfg, tmp_path / "cache") == legacy
 
     hub = OmegaConf.to_container(compose_train(["data=slimpajama"], tmp_path / "run").data.source)
     assert "revision" in hub and hub["revision"] is None
@@ -829,6 +842,11 @@ def test_cache_key_covers_the_files_of_a_local_hf_dataset_folder(tmp_path):
     (folder / "more.jsonl").write_text(json.dumps({"text": "a document copied in"}) + "\n")
     os.utime(folder / "more.jsonl", ns=(1, 1))
     assert prepared_root(cfg, tmp_path / "cache") == tmp_path / "cache" / f"hf-{cache_key(cfg)}"
+    (folder / "more.jsonl").unlink()
+    os.utime(folder, ns=(1, 1))
+    (folder / ".cache").mkdir()  # hidden folders (.git, HF's .cache) are not the dataset's: they change nothing
+    os.utime(folder, ns=(1, 1))
+    assert prepared_root(cfg, tmp_path / "cache") == legacy
 
 
 def test_a_local_hf_dataset_folder_may_be_named_from_home(tmp_path, monkeypatch):

@@ -298,6 +298,16 @@ def test_generation_that_would_not_prefill_with_the_pattern_is_refused(tiny, ids
         tiny.generate(prompt, max_new_tokens=2, do_sample=False, cache_implementation="static")
     with pytest.raises(ValueError, match="prefill_chunk_size"):
         tiny.generate(prompt, max_new_tokens=2, do_sample=False, prefill_chunk_size=4)
+    expected = tiny.generate(prompt, max_new_tokens=3, do_sample=False)
+    own = tiny.generation_config.cache_implementation
+    try:
+        tiny.generation_config.cache_implementation = "static"  # the model's own config: a config given lacks it
+        with pytest.raises(ValueError, match="static"):
+            tiny.generate(prompt, GenerationConfig(max_new_tokens=2, do_sample=False))
+        tiny.generation_config.cache_implementation = "hybrid"  # Gemma 3's: a dynamic cache in transformers 5
+        assert torch.equal(tiny.generate(prompt, max_new_tokens=3, do_sample=False), expected)
+    finally:
+        tiny.generation_config.cache_implementation = own
     patch_model(tiny, "full")  # nothing is patched at prefill: the model generates as it would unpatched
     unpatched = tiny.generate(prompt, max_new_tokens=3, do_sample=False, use_cache=False)
     assert torch.equal(unpatched, tiny.generate(prompt, max_new_tokens=3, do_sample=False))
@@ -459,9 +469,11 @@ def test_a_resumed_sweep_reruns_a_configuration_whose_settings_changed(saved_mod
     assert saved.stat().st_mtime_ns == stamp
     sweep(str(folder), ["sa"], [4], [_task(data)], tmp_path, limit=4, **common)
     assert json.loads(saved.read_text())["sweep_settings"]["limit"] == 4
+    stamp = saved.stat().st_mtime_ns
+    sweep(str(folder) + "/", ["sa"], [4], [_task(data)], tmp_path, limit=4, **common)  # the same folder
+    assert saved.stat().st_mtime_ns == stamp
     # another model's sweep into the same folder read the first model's scores back under the new name
     other = shutil.copytree(folder, tmp_path / "other_model")
-    stamp = saved.stat().st_mtime_ns
     sweep(str(other), ["sa"], [4], [_task(data)], tmp_path, limit=4, **common)
     assert saved.stat().st_mtime_ns != stamp and json.loads(saved.read_text())["model"] == str(other)
 

@@ -190,9 +190,9 @@ def test_probes_train_and_evaluate_end_to_end(tmp_path, data_cache):
     recall = evaluate({"ckpt": str(run), "task": "recall", "num": 6, "num_pairs": 5, "key_digits": 1,
                        "value_digits": 2, "context": 60, "buckets": 2}, {"window": 8})
     assert sum(b["n"] for b in recall["buckets"]["recall"]) == 6  # token-unit recall prompts fit and are scored
-    # the split at another window's reach (a full run's preset window is the whole context): labelled apart
+    # the split at another window's reach (a full run's preset window is the whole context), in the same columns
     near = evaluate({"ckpt": str(run), "num": 12, "batch_size": 6, "buckets": 3, "reach_window": 2}, {"window": 8})
-    assert near["swa_reach"] == 2 * 1 and near["setting"]["reach_window"] == 2  # TINY: 2 layers
+    assert near["swa_reach"] == 2 * 1 and near["setting"] == summary["setting"]  # TINY: 2 layers; the same columns
     assert [r["value"] for r in near["results"] if r["metric"] == "acc"] == [acc["acc"]["value"]]
     with pytest.raises(SystemExit, match="buckets=0 must be >= 1"):  # it left most prompts out of the table
         evaluate({"ckpt": str(run), "num": 12, "buckets": 0}, {"window": 8})
