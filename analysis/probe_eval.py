@@ -52,10 +52,11 @@ ATTENTION_KEYS = ("kind", "window", "backend", "eval_seed")
 
 
 # What a probe score measures beyond the checkpoint and attention: given otherwise than the run trained (or the
-# defaults), they make another score, kept in a folder of its own and labelled apart by tools.compare
+# defaults), they make another score, kept in a folder of its own and labelled apart by tools.compare. Not
+# reach_window: it moves only the within / beyond split, which a full run needs at the sweep's reach to line up with
+# the SWA and SA runs' columns (results.json keeps swa_reach).
 MEASURE_KEYS = ("task", "num", "num_pairs", "key_digits", "value_digits", "filler", "seed", "context", "min_distance",
-                "max_distance", "buckets")  # not reach_window: it moves only the within / beyond split, which a
-# full run needs at the sweep's reach to line up with the SWA and SA runs' columns (results.json keeps swa_reach)
+                "max_distance", "buckets")
 
 
 def setting_suffix(setting: dict) -> str:

@@ -61,11 +61,12 @@ def _window_log_sum(log1m: np.ndarray, ones: np.ndarray, w: int) -> tuple[np.nda
 def band_pair_probability(n: int, w: int) -> float:
     """Probability that a uniformly random permutation puts two given tokens within one SA band of each other: the
     query's slot s and the key's s + d with -left <= d <= right, d != 0, over the n (n - 1) ordered slot pairs, of
-    which n - |d| have offset d. (left, right) = kernels.default_band(w, permuted=True)."""
+    which n - |d| have offset d."""
+    from kernels import default_band
+
     if n <= 1:
         return 0.0
-    left = (w - 1) // 2
-    right = w - 1 - left
+    left, right = default_band(w, permuted=True)
 
     def offsets(m):  # ordered slot pairs with an offset of 1..m
         m = min(m, n - 1)

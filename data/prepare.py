@@ -218,9 +218,13 @@ def _local_folder(source: dict) -> Path | None:
     return folder if folder.is_dir() else None
 
 
+def _visible_in(folder: Path) -> list[Path]:
+    """What `folder` holds below it, hidden paths (.git, HF's .cache) left out: they are not the dataset."""
+    return [f for f in sorted(folder.rglob("*")) if not any(p.startswith(".") for p in f.relative_to(folder).parts)]
+
+
 def _folder_files(folder: Path) -> list[Path]:
-    return [f for f in sorted(folder.rglob("*"))
-            if f.is_file() and not any(p.startswith(".") for p in f.relative_to(folder).parts)]
+    return [f for f in _visible_in(folder) if f.is_file()]
 
 
 def prepared_root(cfg, cache_dir: str | Path) -> Path:
@@ -249,9 +253,7 @@ def prepared_root(cfg, cache_dir: str | Path) -> Path:
 def _written_after(cache: Path, folder: Path) -> bool:
     """Whether every file of `cache` is newer than every file of `folder` and every change to its listing (a folder's
     mtime moves when a file is added, removed or renamed in it, which a copy keeping old mtimes does not show)."""
-    listings = [folder, *(d for d in folder.rglob("*")  # not hidden ones (.git, .cache), as _folder_files
-                          if d.is_dir() and not any(p.startswith(".") for p in d.relative_to(folder).parts))]
-    changed = max(f.stat().st_mtime_ns for f in [*_folder_files(folder), *listings])
+    changed = max(f.stat().st_mtime_ns for f in [folder, *_visible_in(folder)])  # files and their folders
     return all(f.stat().st_mtime_ns > changed for f in cache.rglob("*") if f.is_file())
 
 

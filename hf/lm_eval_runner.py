@@ -70,6 +70,8 @@ def make_lm(model, tokenizer, batch_size=8, max_length: int | None = None, pad_s
     """lm-eval's HFLM around a patched model; with pad_state, padded batches get their attention mask (for SA)."""
     from lm_eval.models.huggingface import HFLM
 
+    from evaluation.lm import scored_request
+
     class PrefillHFLM(HFLM):
         def _model_call(self, inps, attn_mask=None, labels=None):
             lengths = pad_state.lengths if pad_state is not None else None
@@ -91,7 +93,7 @@ def make_lm(model, tokenizer, batch_size=8, max_length: int | None = None, pad_s
             # counted as the native path counts them (evaluation.lm.SALM): HFLM keeps the last max_length tokens
             # of context + continuation and warns once per request, which tells no total
             for key, context_enc, continuation_enc in requests:
-                if key and key[0] is not None:  # not a rolling perplexity's window (HFLM's key None)
+                if scored_request(key):
                     self.requests_scored += 1
                     self.contexts_cut += len(context_enc) + len(continuation_enc) > self.max_length + 1
             return super()._loglikelihood_tokens(requests, *args, **kwargs)

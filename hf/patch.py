@@ -79,8 +79,6 @@ def patch_model(model, kind: str, window: int | None = None, seed: int = 0, back
     return model
 
 
-
-
 def _generate_with_cache(self, *args, **kwargs):
     """generate() of a patched model, with the KV cache required: without it every decoding step re-runs the whole
     sequence as a prefill, under the pattern and a fresh pi, where decoding is meant to be full attention. A static

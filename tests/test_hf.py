@@ -445,6 +445,16 @@ def test_requests_whose_context_hflm_cuts_are_counted(saved_model):
     prompt = len(tokenizer("Question: what color is the grass\nAnswer:")["input_ids"])
     short = evaluate_hf(str(folder), "full", None, [_task(data)], max_length=prompt - 2, **common)
     assert short["contexts_cut"] == {"requests": 16, "of": 16, "to": prompt - 2}  # 4 questions x 4 choices
+    # a rolling perplexity's windows are never cut and are not requests (WikiText made 5 of 5 read 5 of 792)
+    from lm_eval.api.instance import Instance
+
+    from hf.lm_eval_runner import make_lm
+
+    lm = make_lm(model, tokenizer, batch_size=2, max_length=4)
+    text = "the cat sat on the mat and the dog sat on the rug"
+    assert len(tokenizer(text)["input_ids"]) > 2 * 4  # several windows
+    lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    assert lm.requests_scored == lm.contexts_cut == 0
 
 
 def test_a_resumed_sweep_reruns_a_configuration_whose_settings_changed(saved_model, tmp_path):
