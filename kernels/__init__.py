@@ -74,6 +74,16 @@ def _triton_available() -> bool:
     return _HAS_TRITON
 
 
+def _under_autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Under autocast q, k, v go to its dtype first, as SDPA's do. Left to the backends, the torch one ran its dense
+    path (SDPA, autocast) in bf16 and its blocked path (raw CPU kernels, no autocast) in fp32 for the same fp32 inputs."""
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (q, k, v))
+
+
 def banded_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -89,7 +99,9 @@ def banded_attention(
 
     ``check_perm``: verify that every row of perm is a permutation of 0..n-1 (a wrong one makes the Triton kernel
     read and write out of bounds). On a GPU that waits for the device; the model's own pi skips it.
+    Under autocast q, k, v run in its dtype, as SDPA's do.
     """
+    q, k, v = _under_autocast(q, k, v)
     check_qkv(q, k, v)
     if perm is not None:
         compiling = torch.compiler.is_compiling()

@@ -322,6 +322,26 @@ def test_inputs_of_mixed_dtype_or_a_fractional_window_are_refused():
     with pytest.raises(TypeError):
         banded_attention(q, k, v, 4, band=(2.0, 1))
 
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("n", [40, 600])  # the torch backend's dense path, and its blocked one (raw CPU kernels)
+@pytest.mark.parametrize("perm_kind", [None, "shared"])
+def test_under_autocast_every_path_runs_in_its_dtype(backend, n, perm_kind):
+    """fp32 inputs under bf16 autocast run in bf16 as SDPA's do, on every path: the same output as bf16 inputs given
+    outside autocast, also for q and k made fp32 by RoPE's cos/sin next to a bf16 v. The torch backend's blocked path
+    returned fp32 here while its dense path returned bf16."""
+    q, k, v = make_qkv(1, 2, 2, n, 16, seed=n)
+    perm = make_perm(perm_kind, 1, n, seed=n)
+    expected = banded_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 8, perm, backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = banded_attention(q, k, v, 8, perm, backend=backend)
+        mixed = banded_attention(q, k, v.bfloat16(), 8, perm, backend=backend)
+    assert got.dtype == mixed.dtype == torch.bfloat16
+    assert torch.equal(got, expected) and torch.equal(mixed, expected)
+    got.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()  # gradients reach the fp32 leaves
+
+
 def test_auto_backend_picks_one_that_takes_the_input():
     from kernels import resolve_backend
 
