@@ -80,6 +80,7 @@ def _evaluate(cfg: DictConfig):
 
     from evaluation.runner import check_eval_config, default_task_dir, evaluate_checkpoint
     from kernels.cpu_malloc import keep_freed_memory
+    from model.checkpoint import CheckpointError
     from model.config import ConfigError
 
     keep_freed_memory()
@@ -105,7 +106,7 @@ def _evaluate(cfg: DictConfig):
         refuse_context_given(HydraConfig.get().overrides.task, "eval.max_length=<tokens> sets the context scored")
         check_eval_config(eval_cfg)
         summary = evaluate_checkpoint(cfg.ckpt, eval_cfg, trained_window_unless_given(attention, given), out_dir)
-    except (FileNotFoundError, ConfigError) as err:
+    except (FileNotFoundError, ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     if not summary["results"]:

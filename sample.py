@@ -33,6 +33,25 @@ def check_sample_config(cfg: DictConfig) -> None:
         raise ConfigError("dtype", cfg.dtype, f"one of {', '.join(DTYPES)}")
     if not _is_int(cfg.seed):
         raise ConfigError("seed", cfg.seed, "an integer")
+    if cfg.prompt is not None and not isinstance(cfg.prompt, str):  # prompt=123 or =true: Hydra read a number
+        raise ConfigError("prompt", cfg.prompt, "text; quote what Hydra would read as a number or a boolean: "
+                          "prompt=\"'123'\"")
+    check_device(cfg.device)
+
+
+def check_device(device: str) -> None:
+    import torch
+
+    from model.config import ConfigError
+
+    if device == "auto":
+        return
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ConfigError("device", device, "auto, cpu, cuda or cuda:<index>") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", device, "CUDA is not available on this machine: device=cpu or auto")
 
 
 def sample(cfg: DictConfig, given: set[str] | None = None) -> list[str]:
@@ -58,12 +77,13 @@ def sample(cfg: DictConfig, given: set[str] | None = None) -> list[str]:
     if trained.get("kind") is not None and now != was:
         print(f"note: sampling as {now}; the checkpoint was trained as {was}", file=sys.stderr)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-    prompt = loaded.tokenizer.encode(cfg.prompt, add_special_tokens=False).ids if cfg.prompt else [loaded.eos_id]
+    text = cfg.prompt or ""  # null, as "": unconditioned
+    prompt = loaded.tokenizer.encode(text, add_special_tokens=False).ids if text else [loaded.eos_id]
     generator = torch.Generator(device=device).manual_seed(int(cfg.seed))
     samples = generate(loaded.model, prompt, int(cfg.max_new_tokens), int(cfg.num_samples), float(cfg.temperature),
                        cfg.top_k, cfg.top_p, loaded.eos_id, generator,
                        None if dtype == "float32" else getattr(torch, dtype))
-    return [cfg.prompt + continuation(loaded.tokenizer, prompt, ids) for ids in samples]
+    return [text + continuation(loaded.tokenizer, prompt, ids) for ids in samples]
 
 
 def continuation(tokenizer, prompt: list[int], ids: list[int]) -> str:
@@ -77,12 +97,13 @@ def continuation(tokenizer, prompt: list[int], ids: list[int]) -> str:
 def main(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
 
+    from model.checkpoint import CheckpointError
     from model.config import ConfigError, attention_given, refuse_context_given
 
     try:
         refuse_context_given(HydraConfig.get().overrides.task, "the sampler conditions on the last that many tokens")
         texts = sample(cfg, attention_given(HydraConfig.get().overrides.task))
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     for i, text in enumerate(texts):

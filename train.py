@@ -541,9 +541,9 @@ def _checkpoint_meta(path: str | None) -> dict | None:
     tokenizer and step (one read; mmap, so the weights stay on disk)."""
     if path is None:
         return None
-    import torch
+    from model.checkpoint import read_checkpoint
 
-    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    ckpt = read_checkpoint(path)
     return {"path": str(path), "hyper_parameters": ckpt.get("hyper_parameters") or {},
             "tokenizer": ckpt.get("tokenizer"), "global_step": ckpt.get("global_step")}
 
@@ -1009,6 +1009,7 @@ def _summary(console, run_dir: Path, ckpt_dir: Path, metrics: dict, loggers):
 def main(cfg: DictConfig):
     from data.sources import DataSourceError
     from kernels.cpu_malloc import keep_freed_memory
+    from model.checkpoint import CheckpointError
     from model.config import ConfigError
 
     keep_freed_memory()  # big CPU tensors stop paying page faults every step (SA_CPU_MALLOC=0: off)
@@ -1028,7 +1029,7 @@ def main(cfg: DictConfig):
     try:
         cfg, overrides = _with_run_overrides(cfg)
         metrics = train(cfg, overrides)
-    except (ConfigError, DataSourceError) as err:
+    except (ConfigError, DataSourceError, CheckpointError) as err:
         say(f"error: {err}")
         if new_folder:
             remove_refused_launch(run_dir, "train.log")

@@ -102,11 +102,12 @@ def main(argv=None) -> int:
     args = dict(arg.split("=", 1) for arg in (sys.argv[1:] if argv is None else argv) if "=" in arg)
     if not args.get("ckpt") or not args.get("out") or set(args) - {"ckpt", "out"}:
         raise SystemExit("usage: python -m hf.export ckpt=<run dir or .ckpt> out=<new folder>")
+    from model.checkpoint import CheckpointError
     from model.config import ConfigError
 
     try:
         out = export(args["ckpt"], args["out"])
-    except (ConfigError, FileExistsError, FileNotFoundError) as err:
+    except (ConfigError, CheckpointError, FileExistsError, FileNotFoundError) as err:
         raise SystemExit(f"error: {err}") from None
     kind = json.loads((out / "sa_export.json").read_text())["attention"]
     print(f"wrote {out} (trained attention {kind['kind']}, window {kind['window']})")

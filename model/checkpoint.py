@@ -18,6 +18,26 @@ from model.config import AttentionConfig, ModelConfig, check_window_for
 from model.decoder import Decoder
 
 
+class CheckpointError(ValueError):
+    """A file that is no readable checkpoint of this codebase (truncated, another format, another program's), or
+    whose weights do not fit the model its hyper-parameters describe."""
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A checkpoint's contents (weights_only; mmap: only the tensors read are paged in, and a training checkpoint is
+    ~2/3 AdamW moments), or a CheckpointError that names the file instead of torch's zip-reader traceback."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, UnpicklingError, EOFError, ... by format
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path} is not a readable checkpoint (truncated, or not written by torch.save): "
+                              f"{reason[:300]}") from err
+    if not isinstance(ckpt, dict) or not {"state_dict", "hyper_parameters"} <= ckpt.keys():
+        raise CheckpointError(f"{path} is not a checkpoint of this codebase (no state_dict and hyper_parameters: "
+                              "give a train.py run directory, its .ckpt or its weights/step<N>.pt)")
+    return ckpt
+
+
 @dataclass
 class LoadedModel:
     model: Decoder
@@ -70,8 +90,7 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
 
     ckpt_path = find_checkpoint(path)
     mtime_ns = ckpt_path.stat().st_mtime_ns  # before reading: a run that rewrites it meanwhile makes it stale
-    # mmap: only the tensors read are paged in (a training checkpoint is ~2/3 AdamW moments)
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    ckpt = read_checkpoint(ckpt_path)
     hp = ckpt["hyper_parameters"]
     attention = dict(attention or {})
     if window_if_banded and attention.get("kind", hp["attention"].get("kind")) == "full":
@@ -90,10 +109,10 @@ def load_checkpoint(path: str | Path, attention: dict | None = None, device: str
         raise ConfigError("attention.kind", attn["kind"], f"checkpoint {ckpt_path} was trained as "
                           f"{hp['attention']['kind']!r} and has no gates; evaluate it as full, swa or sa")
     if missing or [k for k in unexpected if ".attn.gate." not in k]:
-        raise RuntimeError(f"checkpoint {ckpt_path} does not match the model: missing {missing}, "
+        raise CheckpointError(f"checkpoint {ckpt_path} does not match the model: missing {missing}, "
                            f"unexpected {unexpected}")
     if "tokenizer" not in ckpt:
-        raise RuntimeError(f"checkpoint {ckpt_path} carries no tokenizer (written by an older version?)")
+        raise CheckpointError(f"checkpoint {ckpt_path} carries no tokenizer (written by an older version?)")
     tokenizer = Tokenizer.from_str(ckpt["tokenizer"])
     tokenizer.encode_special_tokens = True  # text is text, as data.prepare encoded the training documents
     model.to(device).eval()
@@ -129,12 +148,12 @@ def load_weights_into(model: Decoder, path: str | Path) -> dict:
     plain one. Returns what was loaded: checkpoint, step, trained attention, tokenizer JSON, dropped gates,
     where its data stream stood (samples), its seed and data config."""
     ckpt_path = find_checkpoint(path)
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    ckpt = read_checkpoint(ckpt_path)
     check_same_shape(ckpt["hyper_parameters"]["model"], model.cfg, f"init_from={ckpt_path}")
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if [k for k in missing if ".attn.gate." not in k] or [k for k in unexpected if ".attn.gate." not in k]:
-        raise RuntimeError(f"{ckpt_path} does not fit the model: missing {missing}, unexpected {unexpected}")
+        raise CheckpointError(f"{ckpt_path} does not fit the model: missing {missing}, unexpected {unexpected}")
     return {"checkpoint": str(ckpt_path), "step": ckpt.get("global_step"),
             "attention": dict(ckpt["hyper_parameters"].get("attention") or {}), "tokenizer": ckpt.get("tokenizer"),
             "dropped_gates": bool(unexpected), "new_gates": bool(missing), "samples": stream_position(ckpt),

@@ -862,6 +862,12 @@ def test_sample_py_prints_seeded_samples_and_writes_nothing(tiny_ckpt, tmp_path)
         cfg.ckpt, cfg.temperature = str(tiny_ckpt), float(temperature)  # as Hydra parses temperature=nan
         with pytest.raises(ConfigError, match="temperature"):
             check_sample_config(cfg)
+    for key, value, says in (("prompt", 123, "quote"), ("prompt", True, "quote"), ("device", "gpu0", "cuda:<index>"),
+                             *([("device", "cuda", "CUDA is not available")] if not torch.cuda.is_available() else [])):
+        cfg = OmegaConf.load(ROOT / "conf" / "sample.yaml")  # each a TypeError or AssertionError traceback before
+        cfg.ckpt, cfg[key] = str(tiny_ckpt), value
+        with pytest.raises(ConfigError, match=f"{key}=.*{says}"):
+            check_sample_config(cfg)
     ignored = _run(args + ["model.max_seq_len=8"], tmp_path)  # the trained context is used: say so, not ignore it
     assert ignored.returncode == 2 and "model.max_seq_len='8'" in ignored.stderr
     # a preset, as evaluate.py takes it: its kind, and the run's own window (8), not the preset's 32
@@ -982,6 +988,26 @@ def test_evaluate_py_reports_a_missing_checkpoint(tmp_path):
     proc = _run([str(ROOT / "evaluate.py"), f"ckpt={tmp_path / 'nope'}", "model.max_seq_len=32",
                  f"out_dir={tmp_path / 'o'}"], tmp_path)
     assert proc.returncode == 2 and "model.max_seq_len='32'" in proc.stderr and "eval.max_length" in proc.stderr
+
+
+def test_an_unreadable_checkpoint_is_an_error_that_names_it(tiny_ckpt, tmp_path):
+    """A truncated file, another program's torch file, text: each a CheckpointError naming the file (torch's
+    zip-reader traceback before), and evaluate.py exits 2 without leaving an output folder."""
+    from model.checkpoint import CheckpointError, load_checkpoint, load_weights_into
+
+    (tmp_path / "cut.ckpt").write_bytes(tiny_ckpt.read_bytes()[:20000])
+    (tmp_path / "text.ckpt").write_text("not a checkpoint\n")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    for name, says in (("cut.ckpt", "not a readable checkpoint"), ("text.ckpt", "not a readable checkpoint"),
+                       ("other.pt", "not a checkpoint of this codebase")):
+        with pytest.raises(CheckpointError, match=says) as err:
+            load_checkpoint(tmp_path / name)
+        assert name in str(err.value)
+        with pytest.raises(CheckpointError, match=says):
+            load_weights_into(load_checkpoint(tiny_ckpt).model, tmp_path / name)  # train.py's init_from
+    proc = _run([str(ROOT / "evaluate.py"), f"ckpt={tmp_path / 'cut.ckpt'}", f"out_dir={tmp_path / 'o'}"], tmp_path)
+    assert proc.returncode == 2 and "error:" in proc.stderr and "not a readable checkpoint" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
 
 
 def test_a_full_model_scored_windowed_is_not_noted_as_another_window(tiny_ckpt, evaldata, tmp_path, capsys):
