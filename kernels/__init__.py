@@ -76,7 +76,8 @@ def _triton_available() -> bool:
 
 def _under_autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Under autocast q, k, v go to its dtype first, as SDPA's do. Left to the backends, the torch one ran its dense
-    path (SDPA, autocast) in bf16 and its blocked path (raw CPU kernels, no autocast) in fp32 for the same fp32 inputs."""
+    path (SDPA, autocast) in bf16 and its blocked path (raw CPU kernels, no autocast) in fp32 for the same fp32
+    inputs."""
     device = q.device.type
     if not torch.is_autocast_enabled(device):
         return q, k, v

@@ -373,7 +373,7 @@ def test_evals_at_another_eval_seed_are_keyed_apart(tmp_path):
              "trained_attention": {"kind": "sa", "window": 8, "eval_seed": 0},
              "results": [{"task": "probe_needle", "metric": "acc", "value": value}]}))
     assert read_evals(run) == {"probe_needle/acc": 0.5, "probe_needle/acc [eval_seed=5]": 0.4,
-                               "probe_needle/acc [eval_seed=7]": 0.3, "probe_needle/acc [kind=swa]": 0.2}
+                               "probe_needle/acc [eval_seed=7, seeds=3]": 0.3, "probe_needle/acc [kind=swa]": 0.2}
     # a run evaluated by default at eval_seed 5 (its config's): that is its own column
     (run / "eval" / "own" / "results.json").unlink()
     trained = json.loads((run / "eval" / "seed5" / "results.json").read_text())
@@ -392,6 +392,50 @@ def test_evals_past_the_trained_context_are_keyed_apart(tmp_path):
             {"checkpoint": str(run / "checkpoints" / "last.ckpt"), "trained_context": 64, "max_length": max_length,
              "results": [{"task": "wikitext", "metric": "word_perplexity", "value": value}]}))
     assert read_evals(run) == {"wikitext/word_perplexity": 5.0, "wikitext/word_perplexity [context=256]": 9.0}
+
+
+def test_evals_in_bf16_or_over_several_seeds_are_keyed_apart(tmp_path, capsys):
+    """eval.dtype=bfloat16 and eval.num_seeds=2 replaced the fp32 one-draw score in its column (a warning only)."""
+    from tools.runs import read_evals
+
+    run = _fake_run(tmp_path, "r", window=8, rows=[(0, 9, 2.0, 960, "")])
+    for age, (folder, extra, value) in enumerate((("fp32", {"dtype": "float32", "seeds": [0]}, 0.5),
+                                                  ("bf16", {"dtype": "bfloat16", "seeds": [0]}, 0.49),
+                                                  ("two", {"dtype": "float32", "seeds": [0, 1]}, 0.47))):
+        (run / "eval" / folder).mkdir(parents=True)
+        (run / "eval" / folder / "results.json").write_text(json.dumps(
+            {"checkpoint": str(run / "checkpoints" / "last.ckpt"), "attention": {"kind": "sa", "window": 8,
+                                                                                 "eval_seed": 0},
+             **extra, "results": [{"task": "lambada_openai", "metric": "acc", "value": value}]}))
+        os.utime(run / "eval" / folder / "results.json", (1e9 + age, 1e9 + age))
+    assert read_evals(run) == {"lambada_openai/acc": 0.5, "lambada_openai/acc [dtype=bfloat16]": 0.49,
+                               "lambada_openai/acc [seeds=2]": 0.47}
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_a_damaged_file_leaves_out_what_it_holds_not_the_table(tmp_path, capsys):
+    """A results.json holding a list or a non-number, a metrics.csv row without a step, a config.yaml that is no
+    mapping: each stopped tools.compare with a traceback."""
+    from tools.compare import compare
+    from tools.runs import read_evals, read_metrics
+
+    run = _fake_run(tmp_path, "r", rows=[(0, 9, 2.0, 320, ""), (0, 19, 1.5, 640, "")],
+                    evals=[("quick", "last.ckpt", 0.4)])
+    for folder, text in (("list", "[1, 2]"), ("null", "null"), ("words", json.dumps(
+            {"checkpoint": str(run / "checkpoints" / "last.ckpt"),
+             "results": [{"task": "probe_needle", "metric": "acc", "value": "n/a"}, 3]}))):
+        (run / "eval" / folder).mkdir()
+        (run / "eval" / folder / "results.json").write_text(text)
+    assert read_evals(run) == {"probe_needle/acc": 0.4}
+    whole = read_metrics(run / "metrics.csv")
+    lines = (run / "metrics.csv").read_text().splitlines(keepends=True)
+    (run / "metrics.csv").write_text("".join(lines[:2] + ["garbage,,\n", "0,15,oops,,\n"] + lines[2:]))
+    assert read_metrics(run / "metrics.csv") == whole
+    broken = _fake_run(tmp_path, "broken", rows=[(0, 9, 2.0, 320, "")])
+    (broken / "config.yaml").write_text("- just\n- a list\n")
+    result = compare([tmp_path], tmp_path / "out", plots=False)
+    assert [row["run"] for row in result["rows"]] == ["r"]
+    assert "skipping run" in capsys.readouterr().err
 
 
 def test_few_shot_scores_are_keyed_apart_from_zero_shot(tmp_path):

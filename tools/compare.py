@@ -199,7 +199,15 @@ def compare(paths, out: Path | None = None, plots: bool = True) -> dict:
     run_dirs = find_runs(paths)
     if not run_dirs:
         raise SystemExit(f"error: no run directories (config.yaml + metrics.csv) under {' '.join(map(str, paths))}")
-    runs = sorted((load_run(p) for p in run_dirs), key=_sort_key)
+    runs = []
+    for path in run_dirs:  # one damaged run folder leaves that run out, not the table
+        try:
+            runs.append(load_run(path))
+        except (OSError, ValueError) as err:
+            print(f"warning: skipping run {path}: {err}", file=sys.stderr)
+    if not runs:
+        raise SystemExit("error: no readable run directory (see the warnings above)")
+    runs.sort(key=_sort_key)
     if len({r.config.get("task_name") for r in runs}) > 1:  # several presets: keep their runs apart
         for r in runs:
             r.label = f"{r.config.get('task_name')}: "

@@ -24,7 +24,11 @@ def read_metrics(path: Path) -> dict[str, dict[int, float]]:
     text = Path(path).read_text()
     text = text[: text.rfind("\n") + 1]  # a last row without its newline is half-written (killed, or still writing)
     for row in csv.DictReader(io.StringIO(text)):
-        step = int(row["step"])
+        try:
+            step = int(row["step"])
+        except (KeyError, TypeError, ValueError):  # a damaged row (a disk filled up mid-line): the others still count
+            print(f"warning: {path}: skipping a row without a step: {row}", file=sys.stderr)
+            continue
         if step < highest:  # resumed from an earlier checkpoint: the rows after it belong to an abandoned attempt
             for values in out.values():
                 for s in [s for s in values if s > step]:
@@ -32,7 +36,17 @@ def read_metrics(path: Path) -> dict[str, dict[int, float]]:
         highest = step
         for key, value in row.items():
             if key not in ("step", "epoch") and value not in ("", None):
-                out.setdefault(key, {})[step] = float(value)
+                number = _number(value)
+                if number is not None:
+                    out.setdefault(key, {})[step] = number
+    return out
+
+
+def _number(value) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
     return out
 
 
@@ -51,9 +65,10 @@ def _final_checkpoint(run_dir: Path) -> Path | None:
 
 def _attention_label(data: dict, trained: dict | None) -> str:
     """"" for results at the attention and context the run trained with, on whole evaluation sets, else what
-    differs: " [window=64]", " [context=4096]", " [limit=10]", " [eval_seed=5]", " [shots=5]" (a window sweep at
-    evaluation, a smoke test on 10 examples, another draw of SA's permutations or a few-shot score is another column,
-    never the trained model's zero-shot score)."""
+    differs: " [window=64]", " [context=4096]", " [limit=10]", " [eval_seed=5]", " [seeds=3]", " [shots=5]",
+    " [dtype=bfloat16]" (a window sweep at evaluation, a smoke test on 10 examples, another draw of SA's
+    permutations or a mean over several, a few-shot score or one under autocast is another column, never the trained
+    model's fp32 zero-shot score)."""
     from model.config import STOCHASTIC_KINDS
 
     used = data.get("attention") or {}
@@ -63,8 +78,13 @@ def _attention_label(data: dict, trained: dict | None) -> str:
     # the first eval seed: evaluation.runner records it as eval_seed, probe_eval and position_loss as eval_seeds
     seed = used.get("eval_seed", (used.get("eval_seeds") or [None])[0])
     own = trained.get("eval_seed", run_config.get("eval_seed", 0))
-    if used.get("kind", trained.get("kind")) in STOCHASTIC_KINDS and seed is not None and seed != own:
-        diff.append(f"eval_seed={seed}")
+    # evaluation.runner records its seeds at the top level, probe_eval and position_loss under attention
+    seeds = len(data.get("seeds") or used.get("eval_seeds") or [])
+    if used.get("kind", trained.get("kind")) in STOCHASTIC_KINDS:
+        if seed is not None and seed != own:
+            diff.append(f"eval_seed={seed}")
+        if seeds > 1:  # a mean over permutations: not the one-draw score of the same column
+            diff.append(f"seeds={seeds}")
     if data.get("trained_context") and data.get("max_length") not in (None, data["trained_context"]):
         diff.append(f"context={data['max_length']}")
     if data.get("limit"):
@@ -72,6 +92,8 @@ def _attention_label(data: dict, trained: dict | None) -> str:
     shots = data.get("num_fewshot")  # one number when every task ran with it (eval.num_fewshot)
     if isinstance(shots, int) and not isinstance(shots, bool) and shots > 0:
         diff.append(f"shots={shots}")
+    if data.get("dtype") not in (None, "float32"):  # evaluation.runner's autocast dtype; fp32 is a checkpoint's own
+        diff.append(f"dtype={data['dtype']}")
     for key, value in (data.get("setting") or {}).items():  # an analysis run otherwise than its default
         diff.append(f"{key}={value}")  # in full: books.jsonl in two folders are two texts
     return f" [{', '.join(diff)}]" if diff else ""
@@ -129,6 +151,9 @@ def read_evals(run_dir: Path, trained_attention: dict | None = None, steps: int 
         except (OSError, json.JSONDecodeError) as err:
             print(f"warning: skipping unreadable {path}: {err}", file=sys.stderr)
             continue
+        if not isinstance(data, dict):
+            print(f"warning: skipping {path}: not a results.json (a JSON object)", file=sys.stderr)
+            continue
         scored = data.get("checkpoint")
         if scored and Path(scored).name not in (final_name, "last.ckpt") \
                 and not _final_step_file(data, final, steps, identity):
@@ -141,10 +166,10 @@ def read_evals(run_dir: Path, trained_attention: dict | None = None, steps: int 
     out: dict[str, float] = {}
     source: dict[str, Path] = {}
     for _, path, data in sorted(found, key=lambda item: item[0]):
-        for entry in data.get("results", []):
-            if isinstance(entry, dict) and entry.get("value") is not None and "task" in entry and "metric" in entry:
+        for entry in data.get("results") if isinstance(data.get("results"), list) else []:
+            value = _number(entry.get("value")) if isinstance(entry, dict) else None
+            if value is not None and "task" in entry and "metric" in entry:
                 key = f"{entry['task']}/{entry['metric']}{_attention_label(data, trained_attention)}"
-                value = float(entry["value"])
                 if key in out and out[key] != value:
                     print(f"warning: {run_dir.name}: {key} is {out[key]:.4g} in {source[key]} and {value:.4g} in "
                           f"{path}; the newer ({path.parent.name}) is shown", file=sys.stderr)
@@ -311,9 +336,15 @@ class Run:
 
 
 def load_run(path: Path) -> Run:
+    """The run in `path`; a ValueError naming the file when its config.yaml is no YAML mapping."""
     from omegaconf import OmegaConf
 
-    config = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"), resolve=False)
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"), resolve=False)
+    except Exception as err:  # noqa: BLE001 - yaml's and omegaconf's errors, by what is wrong in the file
+        raise ValueError(f"{path / 'config.yaml'} is unreadable: {str(err).splitlines()[0] if str(err) else err}")
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / 'config.yaml'} is not a mapping of config keys")
     run = Run(path=path, config=config, metrics=read_metrics(path / "metrics.csv"))
     run.evals = read_evals(path, config.get("attention"), run.steps)
     return run
