@@ -19,8 +19,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from model.config import (attention_from_command_line, attention_given, attention_label, attention_tag,
                           check_window_for, refuse_context_given, trained_window_unless_given)
+from tools.runlog import log_to_file, say
 
 ROOT = Path(__file__).resolve().parent
+
+
+def report(text: str) -> None:
+    """The results on stdout, and in evaluate.log with the notes (say: stderr and the log)."""
+    print(text)
+    log_to_file(text)
 
 
 def run_dir_of(ckpt: str | Path) -> Path:
@@ -96,25 +103,26 @@ def _evaluate(cfg: DictConfig):
             refuse_context_given(HydraConfig.get().overrides.task, "eval.max_length=<tokens> sets the context scored")
             check_eval_config(eval_cfg, hf=True)
         except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
+            say(f"error: {err}")
             sys.exit(2)
         return evaluate_hf_model(cfg.model.hf, eval_cfg, attention, out_dir, given)
     if not cfg.ckpt:
-        print("error: give ckpt=<run dir or .ckpt file> (or model.hf=<HuggingFace model>)", file=sys.stderr)
+        say("error: give ckpt=<run dir or .ckpt file> (or model.hf=<HuggingFace model>)")
         sys.exit(2)
     try:
         refuse_context_given(HydraConfig.get().overrides.task, "eval.max_length=<tokens> sets the context scored")
         check_eval_config(eval_cfg)
-        summary = evaluate_checkpoint(cfg.ckpt, eval_cfg, trained_window_unless_given(attention, given), out_dir)
+        summary = evaluate_checkpoint(cfg.ckpt, eval_cfg, trained_window_unless_given(attention, given), out_dir,
+                                      log=say)
     except (FileNotFoundError, ConfigError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        say(f"error: {err}")
         sys.exit(2)
     if not summary["results"]:
-        print(f"error: nothing was evaluated: every task of the suite was skipped (see above); results.json in "
-              f"{out_dir} lists them", file=sys.stderr)
+        say(f"error: nothing was evaluated: every task of the suite was skipped (see above); results.json in "
+              f"{out_dir} lists them")
         sys.exit(1)
-    print(summary["table"])
-    print(f"results: {summary['json']}\n         {summary['markdown']}\n"
+    report(summary["table"])
+    report(f"results: {summary['json']}\n         {summary['markdown']}\n"
           f"time   : {summary['seconds_total']:.0f} s ({len(summary['seeds'])} seed(s))")
     return summary.get("avg_acc", {}) and summary["avg_acc"]["value"]
 
@@ -132,21 +140,21 @@ def exported_attention(name: str, attention: dict, given: set[str] | None = None
     if "eval_seed" not in attention and "eval_seed" in trained:  # SA's permutations: those of the trained model
         attention = {**attention, "eval_seed": trained["eval_seed"]}
         if trained["eval_seed"]:
-            print(f"eval: SA eval seed {trained['eval_seed']}, as {name} was trained (attention.eval_seed=<s> sets "
-                  "another)", file=sys.stderr)
+            say(f"eval: SA eval seed {trained['eval_seed']}, as {name} was trained (attention.eval_seed=<s> sets "
+                  "another)")
     if "kind" in attention:  # another kind, at the trained window unless one is given
         check_window_for(trained["kind"], attention["kind"], attention.get("window"), name)
         if attention["kind"] != "full" and "window" not in attention and trained["window"]:
             attention = {**attention, "window": trained["window"]}
-            print(f"eval: window {trained['window']}, as {name} was trained (sa_export.json; attention.window=<w> "
-                  "sets another)", file=sys.stderr)
+            say(f"eval: window {trained['window']}, as {name} was trained (sa_export.json; attention.window=<w> "
+                  "sets another)")
         return attention
     check_window_for(trained["kind"], trained["kind"], attention.get("window"), name)
     attention = {**attention, "kind": trained["kind"], "window": attention.get("window", trained["window"])}
     shown = attention_label(trained["kind"], attention["window"])  # full attention names no window
     how = f"as {name} was trained" if shown == attention_label(trained["kind"], trained["window"]) else \
         f"{name} was trained with w={trained['window']}"
-    print(f"eval: attention {shown}, {how} (sa_export.json; attention.kind=<kind> sets another)", file=sys.stderr)
+    say(f"eval: attention {shown}, {how} (sa_export.json; attention.kind=<kind> sets another)")
     return attention
 
 
@@ -188,16 +196,15 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
     try:
         attention = exported_attention(name, attention, given)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        say(f"error: {err}")
         sys.exit(2)
     kind = attention.get("kind", "full")
     if kind not in ("full", "swa", "sa", "moba"):
-        print(f"error: attention.kind={kind!r} is not available for HuggingFace models (full, swa, sa, moba)",
-              file=sys.stderr)
+        say(f"error: attention.kind={kind!r} is not available for HuggingFace models (full, swa, sa, moba)")
         sys.exit(2)
     num_seeds = max(1, int(eval_cfg.get("num_seeds") or 1))
     if kind != "sa" and num_seeds > 1:
-        print(f"eval: attention kind={kind} is deterministic: 1 seed instead of {num_seeds}", file=sys.stderr)
+        say(f"eval: attention kind={kind} is deterministic: 1 seed instead of {num_seeds}")
         num_seeds = 1
     first = int(attention.get("eval_seed", 0))
     seeds = list(range(first, first + num_seeds))
@@ -205,28 +212,28 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
     try:  # the settings and one plan for all seeds, before the (possibly large) model loads
         PrefillSettings(kind=kind, window=window, backend=backend)
     except ValueError as err:
-        print(f"error: attention: {err} (attention.window=<w_eff>, attention.backend=<backend>)", file=sys.stderr)
+        say(f"error: attention: {err} (attention.window=<w_eff>, attention.backend=<backend>)")
         sys.exit(2)
     try:
         tasks = task_names(eval_cfg["tasks"])
         plan = plan_tasks(tasks, eval_cfg.get("data_dir"), eval_cfg.get("task_dir"),
                           num_fewshot=eval_cfg.get("num_fewshot"))
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        say(f"error: {err}")
         sys.exit(2)
     out_dir.mkdir(parents=True, exist_ok=True)
     if plan.skipped:
-        print(skipped_line(plan.skipped, eval_cfg.get("data_dir")), file=sys.stderr)
+        say(skipped_line(plan.skipped, eval_cfg.get("data_dir")))
     if not plan.run:
         atomic_write_text(out_dir / "results.json", json.dumps({"model": name, "skipped": plan.skipped}, indent=1))
-        print(f"error: nothing was evaluated: every task of the suite was skipped (see above); results.json in "
-              f"{out_dir} lists them", file=sys.stderr)
+        say(f"error: nothing was evaluated: every task of the suite was skipped (see above); results.json in "
+              f"{out_dir} lists them")
         sys.exit(1)
     try:
         model, tokenizer = load_hf_model(name, kind, window, seed=first, backend=backend,
                                          dtype=eval_cfg.get("dtype") or "auto", device=eval_cfg.get("device", "auto"))
     except OSError as err:
-        print(f"error: {err}", file=sys.stderr)
+        say(f"error: {err}")
         sys.exit(2)
     if kind != "full":  # a band that spans every request is full causal attention (and K SA seeds score alike)
         from evaluation.runner import full_attention_note
@@ -235,7 +242,7 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
         covers = full_attention_note(kind, window, context_length(model, tokenizer, eval_cfg.get("max_length")))
         if covers:
             fewer = f": 1 seed instead of {num_seeds}" if num_seeds > 1 else ""
-            print(f"eval: {covers}{fewer}", file=sys.stderr)
+            say(f"eval: {covers}{fewer}")
             num_seeds, seeds = 1, seeds[:1]
     per_seed = []
     for seed in seeds:  # evaluate_hf re-patches the loaded model with this seed
@@ -247,7 +254,7 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
         results.update(skipped=plan.skipped, data=plan.source, dtype=str(model.dtype).removeprefix("torch."))
         per_seed.append(results)
         if len(per_seed) == 1 and (cut := results.get("contexts_cut")):
-            print(f"eval: {_cut_line(cut, results)}", file=sys.stderr)
+            say(f"eval: {_cut_line(cut, results)}")
         if num_seeds > 1:
             atomic_write_text(out_dir / "lm_eval" / f"seed{seed}.json",
                               json.dumps(results, indent=1, default=handle_non_serializable))
@@ -278,7 +285,7 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
     if cut := per_seed[0].get("contexts_cut"):
         lines.append(_cut_line(cut, per_seed[0]))
     atomic_write_text(out_dir / "results.md", "\n".join(lines) + "\n")
-    print("\n".join(lines) + f"\nresults: {out_dir / 'results.json'}")
+    report("\n".join(lines) + f"\nresults: {out_dir / 'results.json'}")
     return None
 
 

@@ -383,6 +383,9 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         atomic_write_text(raw_dir / f"seed{seed}.json", json.dumps(
             {k: v for k, v in results.items() if k != "samples"}, indent=1, default=handle_non_serializable))
     lm.eval_seed = seeds[0]
+    for stale in sorted(raw_dir.glob("seed*.json")) if per_seed else []:  # an earlier evaluation into this out_dir
+        if stale.name not in {f"seed{seed}.json" for seed in seeds}:
+            stale.unlink()
 
     combined = combine_seeds(per_seed)
     avgs = [avg_accuracy(run) for run in per_seed]

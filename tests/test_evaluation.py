@@ -679,6 +679,9 @@ def test_evaluate_checkpoint_writes_json_and_table_with_seed_spread(tiny_ckpt, e
                                            "hellaswag/acc_norm"]
     assert "tasks)" not in table  # every accuracy column is in the average
     assert "eval: window 4 (trained with 8" in capsys.readouterr().err
+    # again into the same folder with one seed: seed1.json of the first run went on beside a results.json of seed 0
+    evaluate_checkpoint(tiny_ckpt, dict(cfg, tasks=["lambada_openai"], num_seeds=1), {"window": 4}, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out" / "lm_eval").iterdir()) == ["seed0.json"]
 
 
 def test_evaluate_checkpoint_runs_the_shots_asked_for(tiny_ckpt, evaldata, tmp_path):
@@ -822,6 +825,8 @@ def test_evaluate_py_on_a_run_directory(tiny_ckpt, evaldata, tmp_path):
     assert saved["attention"]["backend"] == "torch" and saved["limit"] == 3
     assert saved["attention"]["kind"] == "swa" and saved["attention"]["window"] == 8
     assert (out / ".hydra" / "config.yaml").is_file()
+    log = (out / "evaluate.log").read_text()  # the job's record: its notes and its table (it stayed empty)
+    assert "eval: " in log and "| Model | Wiki ppl ↓ | LMB ppl ↓ | LMB acc ↑ |" in log
     # launched outside a git checkout: lm-eval's git_hash is this code's commit, and git printed no "fatal:"
     from tools.runlog import code_revision
 
