@@ -25,6 +25,7 @@ import numpy as np
 from analysis import smallworld, theory
 from analysis.attention_graph import VARIANTS, stack_paths
 from analysis.reachability import coverage_by_layer, sample_keys
+from data.shards import atomic_write
 
 LABELS = {"swa": "SWA", "sa": "SA", "gated_sa_swa": "gated SA+SWA"}
 
@@ -189,7 +190,7 @@ def plot(cov: dict, path: Path) -> None:
     keys = "all keys" if cov["exact"] else f"{cov['keys']} sampled keys"
     fig.suptitle(f"Receptive-field coverage: n={cov['n']}, w={cov['w']}, π {cov['mode']} mode, {keys}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
 
 

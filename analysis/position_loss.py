@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from analysis.probe_eval import default_folder, parse_args, run_dir_of
-from data.shards import atomic_write_text
+from data.shards import atomic_write, atomic_write_text
 from model.config import STOCHASTIC_KINDS
 
 DEFAULTS = {"ckpt": None, "text": None, "text_field": "text", "context": None, "windows": 128, "buckets": 12,
@@ -185,7 +185,7 @@ def plot(runs: list[dict], path: Path) -> None:
     ax.set_ylabel("next-token loss (nats)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
 
 

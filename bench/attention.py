@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from data.shards import atomic_write, atomic_write_text
 from kernels import banded_attention, default_band
 from kernels.cpu_malloc import keep_freed_memory
 from kernels.naive import naive_banded_attention
@@ -364,7 +365,7 @@ def save(rows, out_dir: Path, tag: str, csv_too: bool = True):
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / f"attention_{tag}.png", dpi=120)
+    atomic_write(out_dir / f"attention_{tag}.png", lambda f: fig.savefig(f, format="png", dpi=120))
 
 
 DEFAULT_N = [2048, 4096, 8192, 16384, 32768]
@@ -427,7 +428,7 @@ def main():
     table = report(rows)
     print(f"\n{table}\n\nthreads={torch.get_num_threads()} torch={torch.__version__} "
           f"csv/png/md: {args.out}/attention_{tag}.*")
-    (args.out / f"attention_{tag}.md").write_text(table + "\n")
+    atomic_write_text(args.out / f"attention_{tag}.md", table + "\n")
     print_chosen_configs()
 
 

@@ -10,13 +10,14 @@
 
 Times one training step without the optimizer (the part attention changes), median over steps after warm-up, and
 prints tokens/s, the step time relative to full attention, and the activation memory a step keeps for its backward
-(the bytes autograd saves, counted in one more step). Writes bench/results/model_<device>_<model>_n<n>.csv.
+(the bytes autograd saves, counted in one more step). Writes bench/results/model_<device>_<model>_n<n>_b<batch>_w<w>
+[_<variants>][_<options>].csv. The kernels' correctness is gated by bench.attention and the tests, not here (a gate
+at the timed shape would autotune the Triton kernels for shapes nothing else runs, out of a GPU session's minutes).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import time
@@ -101,6 +102,23 @@ def saved_mb(model, tokens, autocast: bool, chunk: int) -> float:
     return sum(storages.values()) / 2**20
 
 
+DEFAULT_VARIANTS = ["full", "swa", "sa", "gated_sa_swa"]
+
+
+def settings_suffix(args) -> str:
+    """The CSV name's batch and window, and what else a run times: a --batch 8 run overwrote the default run's file."""
+    parts = [f"b{args.batch}", f"w{args.window}"]
+    if args.variants != DEFAULT_VARIANTS:
+        parts.append("-".join(args.variants))
+    if args.compiled_only or args.compile:
+        parts.append("compiled" if args.compiled_only else "compile")
+    if args.recompute:
+        parts.append("recompute")
+    if args.loss_chunk:
+        parts.append(f"chunk{args.loss_chunk}")
+    return "".join(f"_{p}" for p in parts)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=SHAPES, default="small")
@@ -109,7 +127,7 @@ def main():
     p.add_argument("--window", type=int, default=None,
                    help="default: n/8, the paper's ratio (256 at n=2048; 32 for the small model's n=256, its "
                         "training default)")
-    p.add_argument("--variants", nargs="+", default=["full", "swa", "sa", "gated_sa_swa"])
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
     p.add_argument("--backend", default="auto")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--compile", action="store_true", help="time every variant eager and with compiled blocks")
@@ -168,12 +186,10 @@ def main():
             + (f" (loss chunks of {r['loss_chunk']})" if r["loss_chunk"] else "")
         print(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,} | {rel} | {r['saved_mb']:,.0f} |"
               + (f" {r['peak_gib']:.2f} |" if peak else ""))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"model_{'gpu' if autocast else 'cpu'}_{args.model}_n{n}.csv"
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    path = args.out / f"model_{'gpu' if autocast else 'cpu'}_{args.model}_n{n}{settings_suffix(args)}.csv"
+    from bench.attention import write_csv
+
+    write_csv(rows, path)
     print(f"\n{args.model}: B={args.batch} n={n} w={args.window} device={rows[0]['device']} csv: {path}")
 
 

@@ -16,6 +16,7 @@ import csv
 from pathlib import Path
 
 from bench.attention import DEFAULT_SHAPE, report, save
+from data.shards import atomic_write_text
 
 
 def load(path: Path) -> list[dict]:
@@ -48,7 +49,7 @@ def main():
     tag = path.stem.removeprefix("attention_")
     save(rows, path.parent, tag, csv_too=False)
     table = report(rows)
-    (path.parent / f"attention_{tag}.md").write_text(table + "\n")
+    atomic_write_text(path.parent / f"attention_{tag}.md", table + "\n")
     print(table)
 
 

@@ -205,7 +205,7 @@ def test_position_loss_cli_past_the_trained_context(tiny_ckpt, corpus_file, tmp_
     assert "| positions | sa w=8" in capsys.readouterr().out
     evals = read_evals(run_dir)
     assert {"position_loss/loss", "position_loss/loss [windows=4]",
-            f"position_loss/loss [context=128, text={books}, windows=6]"} <= set(evals)
+            f"position_loss/loss [seeds=2, context=128, text={books}, windows=6]"} <= set(evals)
     with pytest.raises(SystemExit, match="no document holds 100001 tokens"):
         main([f"ckpt={run_dir}", "context=100000", f"text={books}"])
 

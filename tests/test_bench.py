@@ -54,7 +54,7 @@ def test_model_benchmark_times_each_variant_with_and_without_recompute_and_loss_
                        "--steps", "1", "--window", "8", "--recompute", "--loss-chunk", "16", "--out", str(tmp_path)],
                       tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = list(csv.DictReader(open(tmp_path / "model_cpu_small_n200.csv")))
+    rows = list(csv.DictReader(open(tmp_path / "model_cpu_small_n200_b2_w8_sa-gated_sa_swa_recompute_chunk16.csv")))
     settings = [("False", "0"), ("True", "0"), ("False", "16"), ("True", "16")]
     assert [(r["variant"], r["recompute"], r["loss_chunk"]) for r in rows] == [
         (v, *s) for v in ("sa", "gated_sa_swa") for s in settings]

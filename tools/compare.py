@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.shards import atomic_write_text
+from data.shards import atomic_write, atomic_write_text
 from tools.runs import Run, count_parameters, find_runs, flat_config, load_run
 
 VARIANT_ORDER = {"full": 0, "swa": 1, "sa": 2, "gated_sa_swa": 3, "moba": 4}
@@ -175,10 +175,8 @@ def plot(runs: list[Run], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)  # then renamed: a reader never sees half a plot
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
-    tmp.replace(path)
 
 
 def label_differences(runs: list[Run]) -> None:
