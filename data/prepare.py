@@ -105,6 +105,11 @@ def validate_data_config(cfg: dict) -> None:
         sources.resolve_files(cfg["source"].get("paths"))
     if kind == "hf" and not cfg["source"].get("name"):
         raise ConfigError("data.source.name", None, "data.source.kind=hf needs a dataset name")
+    name = str(cfg["source"].get("name") or "")
+    if kind == "hf" and name.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(name)):
+        # a local dataset folder that is not there: not a hub name, and not a hub-access problem
+        raise ConfigError("data.source.name", name, "no such folder (a local dataset folder; a hub dataset is named "
+                          "<org>/<name>)")
     if cfg.get("window_start", "any") not in WINDOW_STARTS:
         raise ConfigError("data.window_start", cfg["window_start"],
                           "choose any (windows at any token) or document (windows open where a document begins)")

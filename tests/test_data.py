@@ -859,6 +859,19 @@ def test_a_local_hf_dataset_folder_may_be_named_from_home(tmp_path, monkeypatch)
     assert list(hub_documents("~/corpus", None, "train", "text")) == ["a document from home"]
 
 
+def test_a_local_hf_dataset_folder_that_is_not_there_is_named_as_such(tmp_path):
+    """It was "could not open the HuggingFace dataset ... no hub access": the wrong advice for a mistyped path."""
+    from data.prepare import validate_data_config
+    from model.config import ConfigError
+
+    cfg = {"val_fraction": 0.05, "tokenizer": {"path": None, "vocab_size": 300, "train_chars": 1000}}
+    for name in (str(tmp_path / "nowhere"), "./nowhere", "~/nowhere-at-all"):
+        with pytest.raises(ConfigError, match="data.source.name.*no such folder"):
+            validate_data_config({**cfg, "source": {"kind": "hf", "name": name}})
+    validate_data_config({**cfg, "source": {"kind": "hf", "name": str(tmp_path)}})  # there: fine
+    validate_data_config({**cfg, "source": {"kind": "hf", "name": "cerebras/SlimPajama-627B"}})  # a hub name
+
+
 def test_a_folder_of_files_leaves_out_what_is_not_corpus(tmp_path, capsys):
     from data.sources import resolve_files
 
