@@ -406,6 +406,43 @@ def test_per_sequence_perm_off_shares_one_pi_across_the_batch():
     assert per_sequence.shape == (3, 32) and not torch.equal(per_sequence[0], per_sequence[1])
 
 
+@pytest.mark.parametrize("kind", ["sa", "gated_sa_swa"])
+def test_each_layer_gets_its_own_pi_and_its_normed_input(kind):
+    """The decoder hands layer l the sampler's pi for l, in training and evaluation, with padding lengths too (layer
+    0's pi reused by every layer passed every other test), and each block's attention and gates read its pre-norm
+    input (the raw residual passed too)."""
+    cfg = ModelConfig(vocab_size=50, n_layers=3, d_model=32, n_heads=2, max_seq_len=24)
+    model = Decoder(cfg, AttentionConfig(kind=kind, window=4))
+    with torch.no_grad():  # gates off their zero init, so that their input shows in the output
+        for block in model.blocks:
+            if block.attn.gate is not None:
+                block.attn.gate.weight.normal_()
+            block.attn_norm.weight.uniform_(0.5, 1.5)
+    blocks_in, attn_in, gate_in = [], [], []
+    hooks = [block.register_forward_pre_hook(lambda _, args: blocks_in.append(args)) for block in model.blocks]
+    hooks += [block.attn.register_forward_pre_hook(lambda _, args: attn_in.append(args[0])) for block in model.blocks]
+    hooks += [block.attn.gate.register_forward_pre_hook(lambda _, args: gate_in.append(args[0]))
+              for block in model.blocks if block.attn.gate is not None]
+    tokens = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(0))
+    try:
+        for training, lengths in ((True, None), (False, None), (False, torch.tensor([20, 13])),
+                                  (True, torch.tensor([13, 20]))):
+            for seen in (blocks_in, attn_in, gate_in):
+                seen.clear()
+            model.train(training)
+            model(tokens, lengths)
+            perms = [args[2] for args in blocks_in]
+            for layer, perm in enumerate(perms):
+                assert torch.equal(perm, model.sampler.sample(layer, 20, 2, training, lengths)), (training, layer)
+            assert all(not torch.equal(perms[a], perms[b]) for a in range(3) for b in range(a + 1, 3))
+            for block, (x, *_), got in zip(model.blocks, blocks_in, attn_in):
+                assert torch.equal(got, block.attn_norm(x))
+            assert len(gate_in) == (0 if kind == "sa" else 3) and all(g is a for g, a in zip(gate_in, attn_in))
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def test_gates_start_at_one_half():
     layer = _layer("gated_sa_swa")
     assert layer.gate.weight.abs().sum() == 0 and layer.gate.bias.abs().sum() == 0

@@ -538,6 +538,19 @@ def test_shuffled_windows_take_each_window_once_per_pass(tmp_path, start):
         TrainWindows(paths, seq, batch, 0, 0, 10, sampling="epoch", **kw)
 
 
+def test_a_document_start_counts_only_with_a_whole_window_after_it():
+    """seq_len + 1 tokens from the start on: the start that leaves exactly that many counts, one later does not."""
+    from data.datamodule import document_starts
+
+    seq_len, eos = 4, 0
+    tokens = np.array([7, 7, eos, 7, 7, eos, 7, eos, 7])  # documents start at 0, 3, 6 and 8; 9 tokens
+    assert document_starts(tokens, eos, seq_len).tolist() == [0, 3]  # from 3, 5 tokens are left; from 6, 3
+    assert document_starts(tokens[:8], eos, seq_len).tolist() == [0, 3]  # from 3, exactly 5 are left
+    assert document_starts(tokens[:7], eos, seq_len).tolist() == [0]  # from 3, 4: one token short
+    assert document_starts(tokens[:7], eos, 3).tolist() == [0, 3]
+    assert all(start + seq_len + 1 <= tokens.size for start in document_starts(tokens, eos, seq_len))
+
+
 def test_document_windows_open_where_a_document_begins(tmp_path):
     # Documents of random lengths (one shorter than a window, one longer) separated by eos=0, in two shards.
     rng = np.random.default_rng(1)

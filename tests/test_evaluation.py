@@ -320,6 +320,35 @@ def test_one_token_choices_share_one_forward_and_match_direct_computation(salm, 
     assert len({round(lp, 6) for lp, _ in got[:3]}) == 3, "different answers, different scores"
 
 
+def test_a_context_is_counted_cut_from_the_first_token_it_loses(loaded):
+    """A context of max_length tokens before a one-token continuation fits (the model reads max_length tokens); one
+    token more is cut. Both sides of the edge, for continuations of two tokens and of more than max_length (scored
+    in pieces of max_length, the first one conditioned on the context)."""
+    from evaluation.lm import SALM
+
+    lm = SALM(loaded=loaded, batch_size=2, device="cpu", max_length=8)
+    for context, continuation, cut in ((8, 1, 0), (9, 1, 1), (7, 2, 0), (8, 2, 1), (1, 12, 0), (2, 12, 1)):
+        lm.requests_scored = lm.contexts_cut = 0
+        lm._loglikelihood_tokens([(("c", "x"), list(range(5, 5 + context)), list(range(40, 40 + continuation)))])
+        assert (lm.requests_scored, lm.contexts_cut) == (1, cut), (context, continuation)
+
+
+def test_seeds_combine_into_their_mean_spread_and_mean_stderr():
+    import statistics
+
+    from evaluation.report import combine_seeds
+
+    runs = [{"lambada_openai": {"acc": {"value": 0.2, "stderr": 0.01}, "perplexity": {"value": 9.0, "stderr": None}}},
+            {"lambada_openai": {"acc": {"value": 0.4, "stderr": 0.03}, "perplexity": {"value": 7.0, "stderr": None}}},
+            {"lambada_openai": {"acc": {"value": 0.3, "stderr": 0.02}}}]  # a metric one seed lacks
+    combined = combine_seeds(runs)["lambada_openai"]
+    assert combined["acc"]["value"] == pytest.approx(0.3) and combined["acc"]["stderr"] == pytest.approx(0.02)
+    assert combined["acc"]["std"] == pytest.approx(statistics.stdev([0.2, 0.4, 0.3]))
+    assert combined["perplexity"] == {"value": 8.0, "std": pytest.approx(2 ** 0.5), "stderr": None,
+                                      "per_seed": [9.0, 7.0]}
+    assert combine_seeds(runs[:1])["lambada_openai"]["acc"]["std"] == 0.0
+
+
 def test_scores_do_not_depend_on_batching(loaded):
     from evaluation.lm import SALM
 
@@ -360,21 +389,29 @@ def test_generate_until_is_greedy_and_stops(salm, loaded):
     args = [("The value of the", {"until": ["\n"], "max_gen_toks": 6}),
             ("Return the", {"until": [" the"], "max_gen_toks": 20, "do_sample": False}),
             ("Return the", {"until": ["", " the"], "max_gen_toks": 20})]  # "" would match any text: ignored
+    args.append(("It was a long time ago, in the first of the", {"until": [], "max_gen_toks": 4}))  # the longest
     out = salm.generate_until(requests("generate_until", args))
-    assert len(out) == 3 and all(isinstance(o, str) for o in out)
+    assert len(out) == 4 and all(isinstance(o, str) for o in out)
     assert " the" not in out[1] and out[2] == out[1]
-    # Greedy continuation of the first prompt, token by token, directly.
-    ids = loaded.tokenizer.encode("The value of the").ids
-    gen = []
-    for _ in range(6):
-        with torch.no_grad():
-            token = int(loaded.model(torch.tensor([ids + gen]))[0, -1].argmax())
-        if token == loaded.eos_id:
-            break
-        gen.append(token)
-        if "\n" in loaded.tokenizer.decode(gen):
-            break
-    assert out[0] == loaded.tokenizer.decode(gen).split("\n")[0]
+
+    def greedy(prompt: str, until: list[str], most: int) -> str:
+        """The prompt's greedy continuation alone, token by token (a batch of prompts of other lengths pads them)."""
+        ids, gen = loaded.tokenizer.encode(prompt).ids, []
+        for _ in range(most):
+            with torch.no_grad():
+                token = int(loaded.model(torch.tensor([ids + gen]))[0, -1].argmax())
+            if token == loaded.eos_id:
+                break
+            gen.append(token)
+            if any(stop and stop in loaded.tokenizer.decode(gen) for stop in until):
+                break
+        text = loaded.tokenizer.decode(gen)
+        for stop in filter(None, until):
+            text = text.split(stop)[0]
+        return text
+
+    for got, (prompt, kwargs) in zip(out, args):  # every request, not only the longest: each read its own last token
+        assert got == greedy(prompt, kwargs["until"], kwargs["max_gen_toks"]), prompt
 
 
 def test_generate_until_reads_lm_evals_length_aliases(salm):

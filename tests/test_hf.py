@@ -142,6 +142,24 @@ def test_sa_matches_its_dense_reference_and_is_deterministic(tiny, ids, window):
     _close(_reference_logits(tiny, ids, _sa_mask(3, window)), out)  # eager attention with pi's mask per layer
 
 
+@pytest.mark.parametrize("kind", ["full", "swa", "sa"])
+def test_the_models_own_attention_scale_reaches_the_kernel(kind):
+    """A model's `scaling` (Gemma's query_pre_attn_scalar, a muP scale) was not tested: every test model uses the
+    kernels' default 1/sqrt(D), so dropping it passed."""
+    from hf.attention import PrefillSettings, sa_prefill_attention
+    from kernels.naive import naive_banded_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 24, 16, generator=g) for h in (4, 2, 2))
+    module = types.SimpleNamespace(sa_prefill=PrefillSettings(kind=kind, window=None if kind == "full" else 5, seed=2),
+                                   layer_idx=1, is_causal=True, training=False, num_key_value_groups=2)
+    out, _ = sa_prefill_attention(module, q, k, v, None, scaling=0.3)
+    perm = PermutationSampler(eval_seed=2).sample(1, 24, 2, training=False) if kind == "sa" else None
+    left, right = (23, 0) if kind == "full" else default_band(5, perm is not None)
+    want = naive_banded_attention(q, k, v, left, right, perm, scale=0.3)
+    torch.testing.assert_close(out, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
 def test_moba_matches_its_dense_reference(tiny, ids):
     out = _logits(tiny, ids, "moba", 6)
     ref = _reference_logits(tiny, ids, lambda layer, q, k: moba_mask(q, k, 3, 2))

@@ -118,6 +118,20 @@ def test_block_lists_cover_the_band_exactly(kf, n):
         assert sm.full_kv_num_blocks is None
 
 
+def test_full_blocks_are_exact_at_every_band_width(kf):
+    """Every left edge over three blocks: a block counted as full one slot too early shows only at some widths
+    (left = 126 mod 128 of a 128-slot block), which the list above did not hold."""
+    n, bs = 300, kf.BLOCK_SIZE
+    nb = (n + bs - 1) // bs
+    for left in range(3 * bs):
+        bm = kf._swa_block_mask(n, min(left, n), 0, "cpu")
+        touched, all_visible = _blocks(band_mask(torch.arange(n), left, 0), n, bs)
+        partial = _listed(bm.kv_num_blocks, bm.kv_indices, nb)
+        full = _listed(bm.full_kv_num_blocks, bm.full_kv_indices, nb)
+        assert torch.equal(partial | full, touched) and not (partial & full).any(), left
+        assert not (full & ~all_visible).any(), left
+
+
 def test_compiled_matches_naive(kf):
     """The compiled kernel uses the block lists; SA with a new pi reuses the compiled graph (a new window may not)."""
     for kind, w, seed in [("none", 200, 0), ("batch", 64, 1), ("batch", 9, 2)]:

@@ -1089,6 +1089,9 @@ def test_loss_only_after_counts_just_the_following_tokens(chunk):
     rows, cols = [0, 1, 1], [2, 5, 11]
     expected = torch.nn.functional.cross_entropy(logits[rows, cols], batch[rows, [c + 1 for c in cols]])
     assert counted == 3 and n_all == 36 and abs(loss.item() - expected.item()) < 1e-5
+    # without loss_only_after: the mean over every next token (a shifted target, or a sum over the batch, passed)
+    every = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    assert abs(full.item() - every.item()) < 1e-5
     assert abs(loss.item() - full.item()) > 1e-4  # the other 33 targets are not averaged in
     assert right == (logits[rows, cols].argmax(-1) == batch[rows, [c + 1 for c in cols]]).sum()
     grads = torch.autograd.grad(loss, list(module.parameters()), allow_unused=True)
