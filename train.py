@@ -125,8 +125,8 @@ def check_config(cfg: DictConfig):
 
 
 def _check_vocabulary(tokenizer: DictConfig, model_vocab: int) -> None:
-    """A tokenizer larger than the model's embedding, or without an end-of-text token, refused before the corpus is tokenized with it (train() checks
-    the prepared one again: a resume may take its checkpoint's tokenizer)."""
+    """A tokenizer larger than the model's embedding, or without an end-of-text token, refused before the corpus is
+    tokenized with it (train() checks the prepared one again: a resume may take its checkpoint's tokenizer)."""
     from model.config import ConfigError
 
     if tokenizer.get("path"):
@@ -235,8 +235,8 @@ def _check_trainer_and_optim(cfg: DictConfig):
     schedule = int(steps or t.max_steps)
     if str(t.precision) == "16-true" and (_real(o.get("eps", 1e-8)) or 0) < 6e-8:
         say(f"warning: trainer.precision=16-true keeps weights and AdamW's state in fp16, where "
-            f"optim.eps={o.get('eps', 1e-8)} rounds to 0 (fp16's smallest value is 6e-8) and no loss scaling guards the gradients: expect a "
-            "non-finite loss within steps; prefer bf16-mixed or 16-mixed")
+            f"optim.eps={o.get('eps', 1e-8)} rounds to 0 (fp16's smallest value is 6e-8) and no loss scaling guards "
+            "the gradients: expect a non-finite loss within steps; prefer bf16-mixed or 16-mixed")
     if int(o.warmup_steps) >= schedule:  # legal (short test runs), but rarely meant
         say(f"warning: optim.warmup_steps={o.warmup_steps} >= the schedule's {schedule} steps: the learning rate "
             "never leaves warmup (no decay)")

@@ -21,8 +21,6 @@ approaches 1 slowly while gated SA+SWA, whose local band covers the near pairs, 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 

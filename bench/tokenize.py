@@ -52,7 +52,7 @@ def main():
     print("\n| threads | BPE training s | encode_batch s | tokenizer + ids |\n|---|---|---|---|")
     for threads, (train_s, encode_s, digest) in rows.items():
         print(f"| {'on' if threads == 'true' else 'off'} | {train_s:.2f} | {encode_s:.2f} | {digest} |")
-    (t0, e0, d0), (t1, e1, d1) = rows["false"], rows["true"]
+    (t0, e0, _), (t1, e1, _) = rows["false"], rows["true"]
     print(f"\nthreads on / off (fastest of {args.rounds}): training {t1 / t0:.2f}, encoding {e1 / e0:.2f}; "
           f"same result: {len(digests) == 1}")
 

@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 
 # ours -> Llama's, inside each block
-_BLOCK_NAMES = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attn.q_proj": "self_attn.q_proj",
-                "attn.k_proj": "self_attn.k_proj", "attn.v_proj": "self_attn.v_proj",
+_BLOCK_NAMES = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+                "attn.q_proj": "self_attn.q_proj", "attn.k_proj": "self_attn.k_proj", "attn.v_proj": "self_attn.v_proj",
                 "attn.o_proj": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
                 "mlp.down": "mlp.down_proj"}
 

@@ -489,7 +489,8 @@ def test_steps_tokens_and_curves_of_runs_that_stop_between_log_rows(tmp_path):
                                                                                  (0, 29, "", "", 2.0)]))
     assert late.tokens_at([10, 29]) == [320, 29 * 32]
     # one validation after step 0: told by the training row at its step
-    for name, train_row, label, behind in (("one_old", (0, 9, 2.5, 320, ""), 9, 10), ("one", (0, 8, 2.5, 288, ""), 9, 9)):
+    for name, train_row, label, behind in (("one_old", (0, 9, 2.5, 320, ""), 9, 10),
+                                           ("one", (0, 8, 2.5, 288, ""), 9, 9)):
         one = load_run(_fake_run(tmp_path, name, max_steps=10, rows=[(0, 0, "", "", 3.0), train_row,
                                                                       (0, label, "", "", 2.4)]))
         assert one.steps == behind and one.tokens_at([label]) == [behind * 32], name

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY, compose_train
+from conftest import ROOT
 
 REAL_EVALDATA = ROOT.parent / "shared" / "evaldata"
 ALL_TASKS = ["wikitext", "lambada_openai", "lambada_standard", "piqa", "hellaswag", "winogrande", "arc_easy",

@@ -353,7 +353,8 @@ def test_a_model_with_its_own_attention_code_is_refused():
 
 
 def test_patched_attention_runs_under_autocast(tiny, ids):
-    """Under autocast RoPE's fp32 cos/sin make q and k fp32 while v stays bf16 (lm-eval's mixed_precision_dtype path)."""
+    """Under autocast RoPE's fp32 cos/sin make q and k fp32 while v stays bf16 (lm-eval's mixed_precision_dtype
+    path)."""
     expected = _logits(tiny, ids, "sa", 7)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = _logits(tiny, ids, "sa", 7)
@@ -686,8 +687,8 @@ def test_an_exported_checkpoint_gives_the_trained_models_logits(tiny_ckpt, tmp_p
             assert torch.allclose(model(tokens).logits, reference(tokens), atol=1e-5), kind
     plain = LlamaForCausalLM.from_pretrained(out).eval()  # no patch: full attention, transformers alone
     with torch.no_grad():
-        assert torch.allclose(plain(tokens).logits, load_checkpoint(tiny_ckpt, attention={"kind": "full"}).model(tokens),
-                              atol=1e-5)
+        ours = load_checkpoint(tiny_ckpt, attention={"kind": "full"}).model(tokens)
+        assert torch.allclose(plain(tokens).logits, ours, atol=1e-5)
     with pytest.raises(SystemExit, match="exists"):
         main([f"ckpt={tiny_ckpt}", f"out={out}"])
     from evaluate import exported_attention

@@ -47,7 +47,6 @@ def _number(value) -> float | None:
         return float(value)
     except (TypeError, ValueError):
         return None
-    return out
 
 
 def _final_checkpoint(run_dir: Path) -> Path | None:
