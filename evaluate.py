@@ -187,7 +187,7 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
     from lm_eval.utils import handle_non_serializable
 
     from data.shards import atomic_write_text
-    from evaluation.runner import plan_tasks, skipped_line, task_names
+    from evaluation.runner import plan_tasks, remove_stale_seed_files, skipped_line, task_names
     from hf.attention import PrefillSettings
     from hf.lm_eval_runner import evaluate_hf, primary_scores
     from hf.patch import load_hf_model
@@ -258,6 +258,7 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
         if num_seeds > 1:
             atomic_write_text(out_dir / "lm_eval" / f"seed{seed}.json",
                               json.dumps(results, indent=1, default=handle_non_serializable))
+    remove_stale_seed_files(out_dir / "lm_eval", seeds if num_seeds > 1 else [])
     runs = [{**primary_scores(r), **_perplexities(r)} for r in per_seed]
     summary = {**per_seed[0], "seeds": seeds, "scores_per_seed": runs}
     atomic_write_text(out_dir / "results.json", json.dumps(summary, indent=1, default=handle_non_serializable))

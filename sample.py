@@ -47,11 +47,15 @@ def check_device(device: str) -> None:
     if device == "auto":
         return
     try:
-        kind = torch.device(device).type
+        where = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ConfigError("device", device, "auto, cpu, cuda or cuda:<index>") from None
-    if kind == "cuda" and not torch.cuda.is_available():
+        where = None
+    if where is None or where.type not in ("cpu", "cuda"):
+        raise ConfigError("device", device, "auto, cpu, cuda or cuda:<index>")
+    if where.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", device, "CUDA is not available on this machine: device=cpu or auto")
+    if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
+        raise ConfigError("device", device, f"this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def sample(cfg: DictConfig, given: set[str] | None = None) -> list[str]:

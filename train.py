@@ -750,6 +750,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     from data.datamodule import TokenDataModule
     from data.prepare import prepare
     from data.shards import atomic_write_text
+    from model.checkpoint import CheckpointError
     from model.config import ConfigError
     from model.lightning_module import (CheckpointOnSigterm, LitDecoder, PruneStepCheckpoints, StepCheckpoint,
                                         StepProgressBar, save_step_checkpoint)
@@ -779,7 +780,14 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
             again = ("; this run was started from it and has no checkpoint of its own yet: give init_from=<where it "
                      "is now>") if cfg.resume == "auto" else ""
             raise ConfigError("init_from", cfg.init_from, f"{err}{again}") from None
-    source = _checkpoint_meta(ckpt or init)
+    try:
+        source = _checkpoint_meta(ckpt or init)
+    except CheckpointError as err:  # resume=auto took the newest file: name the one before it
+        older = sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)[:-1] if ckpt and not cfg.ckpt_path \
+            else []
+        if not older:
+            raise
+        raise CheckpointError(f"{err}; to continue from the checkpoint before it: ckpt_path={older[-1]}") from None
     if not prepare_only:  # built before the (possibly long) preparation: its size is printed first
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         module = LitDecoder(model=OmegaConf.to_container(cfg.model, resolve=True),

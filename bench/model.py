@@ -11,7 +11,7 @@
 Times one training step without the optimizer (the part attention changes), median over steps after warm-up, and
 prints tokens/s, the step time relative to full attention, and the activation memory a step keeps for its backward
 (the bytes autograd saves, counted in one more step). Writes bench/results/model_<device>_<model>_n<n>_b<batch>_w<w>
-[_<variants>][_<options>].csv. The kernels' correctness is gated by bench.attention and the tests, not here (a gate
+[_<variants>][_<backend>][_<options>].csv. The kernels' correctness is gated by bench.attention and the tests, not here (a gate
 at the timed shape would autotune the Triton kernels for shapes nothing else runs, out of a GPU session's minutes).
 """
 
@@ -106,10 +106,13 @@ DEFAULT_VARIANTS = ["full", "swa", "sa", "gated_sa_swa"]
 
 
 def settings_suffix(args) -> str:
-    """The CSV name's batch and window, and what else a run times: a --batch 8 run overwrote the default run's file."""
+    """The CSV name's batch and window, and what else a run times (variants, backend, options): a --batch 8 run
+    overwrote the default run's file."""
     parts = [f"b{args.batch}", f"w{args.window}"]
     if args.variants != DEFAULT_VARIANTS:
         parts.append("-".join(args.variants))
+    if args.backend != "auto":
+        parts.append(args.backend)
     if args.compiled_only or args.compile:
         parts.append("compiled" if args.compiled_only else "compile")
     if args.recompute:

@@ -106,8 +106,8 @@ def validate_data_config(cfg: dict) -> None:
     if kind == "hf" and not cfg["source"].get("name"):
         raise ConfigError("data.source.name", None, "data.source.kind=hf needs a dataset name")
     name = str(cfg["source"].get("name") or "")
-    if kind == "hf" and name.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(name)):
-        # a local dataset folder that is not there: not a hub name, and not a hub-access problem
+    if kind == "hf" and name.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(name)):
+        # a local dataset folder (or loading script) that is not there: not a hub name, and not a hub-access problem
         raise ConfigError("data.source.name", name, "no such folder (a local dataset folder; a hub dataset is named "
                           "<org>/<name>)")
     if cfg.get("window_start", "any") not in WINDOW_STARTS:

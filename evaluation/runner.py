@@ -39,6 +39,15 @@ def scored_settings(eval_cfg: dict | None) -> dict:
     return {k: task_names(cfg[k]) if k == "tasks" else cfg[k] for k in SCORED_SETTINGS}
 
 
+def remove_stale_seed_files(raw_dir: Path, written: list[int]) -> None:
+    """An earlier evaluation into the same out_dir left lm_eval/seed<k>.json files that results.json no longer
+    lists: only the seeds this one wrote stay."""
+    keep = {f"seed{seed}.json" for seed in written}
+    for stale in sorted(Path(raw_dir).glob("seed*.json")):
+        if stale.name not in keep:
+            stale.unlink()
+
+
 def default_task_dir(data_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
     """Converted local tasks are cached per data folder: <cache_dir> (default $SA_CACHE_DIR, else <repo>/.cache)
     /eval_tasks/<hash>."""
@@ -383,9 +392,8 @@ def evaluate_checkpoint(ckpt, eval_cfg: dict, attention_overrides: dict | None, 
         atomic_write_text(raw_dir / f"seed{seed}.json", json.dumps(
             {k: v for k, v in results.items() if k != "samples"}, indent=1, default=handle_non_serializable))
     lm.eval_seed = seeds[0]
-    for stale in sorted(raw_dir.glob("seed*.json")) if per_seed else []:  # an earlier evaluation into this out_dir
-        if stale.name not in {f"seed{seed}.json" for seed in seeds}:
-            stale.unlink()
+    if per_seed:
+        remove_stale_seed_files(raw_dir, seeds)
 
     combined = combine_seeds(per_seed)
     avgs = [avg_accuracy(run) for run in per_seed]

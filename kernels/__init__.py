@@ -79,7 +79,7 @@ def _under_autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     path (SDPA, autocast) in bf16 and its blocked path (raw CPU kernels, no autocast) in fp32 for the same fp32
     inputs."""
     device = q.device.type
-    if not torch.is_autocast_enabled(device):
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):  # meta has no autocast
         return q, k, v
     dtype = torch.get_autocast_dtype(device)
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (q, k, v))

@@ -8,6 +8,7 @@ cannot hide in the reference too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -41,7 +42,9 @@ def naive_banded_attention(q, k, v, left: int, right: int, perm=None, scale=None
     apart = slot[:, None, :] - slot[:, :, None]  # [B, query a, key b]: s[b] - s[a]
     mask = (apart >= -left) & (apart <= right) & (position[None, :] <= position[:, None])
     exact = torch.promote_types(q.dtype, torch.float32)  # fp32 for half inputs; fp64 stays fp64, to check fp64
-    with torch.autocast(q.device.type, enabled=False):  # an oracle: exact under autocast too
+    exact_here = torch.autocast(q.device.type, enabled=False) if torch.amp.is_autocast_available(q.device.type) \
+        else contextlib.nullcontext()
+    with exact_here:  # an oracle: exact under autocast too
         scores = torch.matmul(q.to(exact), k.to(exact).transpose(-1, -2)) * scale
         scores = scores.masked_fill(~mask[:, None], float("-inf"))
         return torch.matmul(torch.softmax(scores, dim=-1), v.to(exact)).to(q.dtype)

@@ -25,13 +25,24 @@ class CheckpointError(ValueError):
 
 def read_checkpoint(path: Path) -> dict:
     """A checkpoint's contents (weights_only; mmap: only the tensors read are paged in, and a training checkpoint is
-    ~2/3 AdamW moments), or a CheckpointError that names the file instead of torch's zip-reader traceback."""
+    ~2/3 AdamW moments), or a CheckpointError that names the file and what is wrong with it instead of torch's
+    traceback (whose advice for these files is about mmap and the zip format)."""
+    import pickle
+    import zipfile
+
+    if not zipfile.is_zipfile(path):  # torch.save's archive: its directory sits at the end, so a cut file has none
+        raise CheckpointError(f"{path} is not a readable checkpoint: no torch.save archive (truncated, e.g. by a full "
+                              "disk or a killed copy, or a file of another format)")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, UnpicklingError, EOFError, ... by format
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"{path} is not a readable checkpoint (truncated, or not written by torch.save): "
-                              f"{reason[:300]}") from err
+    except pickle.UnpicklingError as err:  # weights_only refused an object: its "Unsupported global" says which
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(err).splitlines()]
+        why = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else "")
+        raise CheckpointError(f"{path} holds objects other than tensors and plain values, which weights_only loading "
+                              f"refuses (not a checkpoint of this codebase?): {why[:300]}") from err
+    except Exception as err:  # noqa: BLE001 - a damaged archive: torch's errors differ by what is damaged
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"{path} is not a readable checkpoint (a damaged archive): {reason[:300]}") from err
     if not isinstance(ckpt, dict) or not {"state_dict", "hyper_parameters"} <= ckpt.keys():
         raise CheckpointError(f"{path} is not a checkpoint of this codebase (no state_dict and hyper_parameters: "
                               "give a train.py run directory, its .ckpt or its weights/step<N>.pt)")

@@ -342,6 +342,14 @@ def test_under_autocast_every_path_runs_in_its_dtype(backend, n, perm_kind):
     assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()  # gradients reach the fp32 leaves
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_shapes_pass_through_on_the_meta_device(backend):
+    """Shape and FLOP tools run forwards on meta tensors, which have no autocast to ask about."""
+    q = torch.empty(2, 4, 40, 16, device="meta")
+    kv = torch.empty(2, 2, 40, 16, device="meta")
+    assert banded_attention(q, kv, kv, 8, backend=backend).shape == (2, 4, 40, 16)
+
+
 def test_auto_backend_picks_one_that_takes_the_input():
     from kernels import resolve_backend
 

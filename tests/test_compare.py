@@ -423,7 +423,9 @@ def test_a_damaged_file_leaves_out_what_it_holds_not_the_table(tmp_path, capsys)
                     evals=[("quick", "last.ckpt", 0.4)])
     for folder, text in (("list", "[1, 2]"), ("null", "null"), ("words", json.dumps(
             {"checkpoint": str(run / "checkpoints" / "last.ckpt"),
-             "results": [{"task": "probe_needle", "metric": "acc", "value": "n/a"}, 3]}))):
+             "results": [{"task": "probe_needle", "metric": "acc", "value": "n/a"}, 3]})),
+            ("seeds", json.dumps({"checkpoint": str(run / "checkpoints" / "last.ckpt"), "seeds": 3, "attention": [],
+                                  "results": [{"task": "probe_needle", "metric": "acc", "value": 0.4}]}))):
         (run / "eval" / folder).mkdir()
         (run / "eval" / folder / "results.json").write_text(text)
     assert read_evals(run) == {"probe_needle/acc": 0.4}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bz2
 import csv
+import datetime
 import json
 import math
 import os
@@ -905,6 +906,7 @@ def test_sample_py_prints_seeded_samples_and_writes_nothing(tiny_ckpt, tmp_path)
         with pytest.raises(ConfigError, match="temperature"):
             check_sample_config(cfg)
     for key, value, says in (("prompt", 123, "quote"), ("prompt", True, "quote"), ("device", "gpu0", "cuda:<index>"),
+                             ("device", "mps", "cuda:<index>"),
                              *([("device", "cuda", "CUDA is not available")] if not torch.cuda.is_available() else [])):
         cfg = OmegaConf.load(ROOT / "conf" / "sample.yaml")  # each a TypeError or AssertionError traceback before
         cfg.ckpt, cfg[key] = str(tiny_ckpt), value
@@ -1040,8 +1042,11 @@ def test_an_unreadable_checkpoint_is_an_error_that_names_it(tiny_ckpt, tmp_path)
     (tmp_path / "cut.ckpt").write_bytes(tiny_ckpt.read_bytes()[:20000])
     (tmp_path / "text.ckpt").write_text("not a checkpoint\n")
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    for name, says in (("cut.ckpt", "not a readable checkpoint"), ("text.ckpt", "not a readable checkpoint"),
-                       ("other.pt", "not a checkpoint of this codebase")):
+    torch.save({"day": datetime.date(2026, 12, 5)}, tmp_path / "pickled.pt")
+    for name, says in (("cut.ckpt", "not a readable checkpoint: no torch.save archive"),
+                       ("text.ckpt", "not a readable checkpoint: no torch.save archive"),
+                       ("other.pt", "not a checkpoint of this codebase"),
+                       ("pickled.pt", "weights_only loading refuses.*Unsupported global.*datetime.date")):
         with pytest.raises(CheckpointError, match=says) as err:
             load_checkpoint(tmp_path / name)
         assert name in str(err.value)

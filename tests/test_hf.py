@@ -557,6 +557,8 @@ def test_evaluate_py_runs_a_patched_hf_model_offline(saved_model, tmp_path):
     from test_evaluation import make_truth, wiki_articles, write_evaldata
 
     evaldata = write_evaldata(tmp_path / "evaldata", make_truth(), wiki_articles(2))
+    (tmp_path / "out" / "lm_eval").mkdir(parents=True)
+    (tmp_path / "out" / "lm_eval" / "seed2.json").write_text("{}")  # an earlier 3-seed evaluation into this out_dir
     root = Path(__file__).resolve().parents[1]
     res = subprocess.run(
         [sys.executable, str(root / "evaluate.py"), f"model.hf={saved_model[0]}", "attention=sa",
@@ -571,6 +573,7 @@ def test_evaluate_py_runs_a_patched_hf_model_offline(saved_model, tmp_path):
     assert "lambada_openai" in results["results"] and "wikitext" in results["results"]
     # two SA seeds: each scored, and they differ (another pi per seed); the table shows mean and spread
     assert results["seeds"] == [0, 1] and len(results["scores_per_seed"]) == 2
+    assert sorted(p.name for p in (tmp_path / "out" / "lm_eval").iterdir()) == ["seed0.json", "seed1.json"]
     first, second = results["scores_per_seed"]
     assert first["lambada_openai/perplexity"] != second["lambada_openai/perplexity"]
     table = (tmp_path / "out" / "results.md").read_text().splitlines()

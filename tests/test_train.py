@@ -536,6 +536,22 @@ def test_a_resume_is_not_warned_about_its_own_checkpoint_folder(tmp_path, corpus
     assert not [w for w in recwarn if "exists and is not empty" in str(w.message)]
 
 
+def test_a_damaged_last_checkpoint_names_the_one_before_it(tmp_path, corpus_file, data_cache):
+    """A last.ckpt cut short (a full disk, a killed copy) stopped resume=auto with torch's zip-reader traceback."""
+    from model.checkpoint import CheckpointError
+
+    common = TINY + ["trainer.checkpoint_every_n_steps=1"]
+    train(compose_train(common + ["trainer.max_steps=2"], tmp_path / "run", corpus_file, data_cache))
+    ckpts = tmp_path / "run" / "checkpoints"
+    last = ckpts / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:4000])
+    os.utime(last)  # the newest, as a save that was cut would be
+    [before] = [p for p in sorted(ckpts.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if p != last][-1:]
+    with pytest.raises(CheckpointError, match=f"no torch.save archive.*ckpt_path={before}"):
+        train(compose_train(common + ["trainer.max_steps=3", "resume=auto"], tmp_path / "run", corpus_file,
+                            data_cache))
+
+
 def test_the_resume_check_compares_models_as_built():
     from model.config import ConfigError
     from model.lightning_module import _check_resumed_config

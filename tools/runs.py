@@ -78,7 +78,8 @@ def _attention_label(data: dict, trained: dict | None) -> str:
     seed = used.get("eval_seed", (used.get("eval_seeds") or [None])[0])
     own = trained.get("eval_seed", run_config.get("eval_seed", 0))
     # evaluation.runner records its seeds at the top level, probe_eval and position_loss under attention
-    seeds = len(data.get("seeds") or used.get("eval_seeds") or [])
+    listed = data.get("seeds") or used.get("eval_seeds")
+    seeds = len(listed) if isinstance(listed, list) else 0
     if used.get("kind", trained.get("kind")) in STOCHASTIC_KINDS:
         if seed is not None and seed != own:
             diff.append(f"eval_seed={seed}")
