@@ -11,8 +11,9 @@
 Times one training step without the optimizer (the part attention changes), median over steps after warm-up, and
 prints tokens/s, the step time relative to full attention, and the activation memory a step keeps for its backward
 (the bytes autograd saves, counted in one more step). Writes bench/results/model_<device>_<model>_n<n>_b<batch>_w<w>
-[_<variants>][_<backend>][_<options>].csv. The kernels' correctness is gated by bench.attention and the tests, not here (a gate
-at the timed shape would autotune the Triton kernels for shapes nothing else runs, out of a GPU session's minutes).
+[_<variants>][_<backend>][_<options>].csv. The kernels' correctness is gated by bench.attention and the tests, not
+here (a gate at the timed shape would autotune the Triton kernels for shapes nothing else runs, out of a GPU
+session's minutes).
 """
 
 from __future__ import annotations
