@@ -216,3 +216,109 @@ def test_sa_mean_field_is_exact_after_one_layer(n, w):
     the permuted order and claimed full coverage after one layer at n=64, w=100 (0.953 measured)."""
     exact = np.mean([coverage_by_layer(stack_paths("sa", 1, n, w, seed=s), np.arange(n))[0] for s in range(8)])
     assert mean_field_coverage(n, w, 1, "sa")[0] == pytest.approx(exact, abs=0.01)
+
+
+def test_position_loss_bucket_edges_span_every_position():
+    """Buckets start at position 0 and end at the context: shifting the log-spaced edges by one lost position 0."""
+    from analysis.position_loss import bucket_edges
+
+    for context, buckets in ((64, 12), (4096, 12), (10, 40)):
+        edges = bucket_edges(context, buckets)
+        assert edges[0] == 0 and edges[-1] == context, edges
+        assert all(a < b for a, b in zip(edges, edges[1:]))
+    assert bucket_edges(64, 12)[:3] == [0, 1, 2]
+
+
+def test_position_loss_stderr_is_over_windows(tiny_ckpt, monkeypatch):
+    """Each bucket's stderr = std(ddof=1) over the windows of their mean loss in the bucket / sqrt(windows)."""
+    from analysis import position_loss
+
+    def fake_curve(model, seed, windows, given):  # known per-window losses, different in every window
+        k, context = len(windows), windows.shape[1] - 1
+        return np.random.default_rng(5).random((k, context)) + np.arange(k)[:, None]
+
+    monkeypatch.setattr(position_loss, "_seed_curve", fake_curve)
+    given = {**position_loss.DEFAULTS, "ckpt": str(tiny_ckpt.parent.parent), "windows": 4, "buckets": 5}
+    run = position_loss.score_run(given["ckpt"], given, {}, log=lambda msg: None)
+    per_window = np.random.default_rng(5).random((4, 64)) + np.arange(4)[:, None]
+    assert run["windows"] == 4 and run["loss"] == pytest.approx(per_window.mean(0), abs=1e-5)
+    for bucket in run["buckets"]:
+        means = per_window[:, bucket["lo"]: bucket["hi"] + 1].mean(1)
+        assert bucket["loss"] == pytest.approx(means.mean(), abs=1e-12)
+        assert bucket["stderr"] == pytest.approx(means.std(ddof=1) / 2, abs=1e-12)  # sqrt(4 windows)
+
+
+def test_sa_mean_field_follows_its_documented_recursion():
+    """mean_field_distance is the module docstring's recursion (SA: a product over e < d, exclusive of d itself;
+    gated adds the SWA window's product), checked against a plain loop."""
+    from analysis.theory import band_pair_probability, mean_field_distance
+
+    n, w, layers = 20, 4, 3
+    q = band_pair_probability(n, w)
+    for kind in ("sa", "gated_sa_swa", "swa"):
+        p = [1.0] + [0.0] * (n - 1)
+        expected = []
+        for _ in range(layers):
+            new = []
+            for d in range(n):
+                miss = 1 - p[d]
+                if kind != "swa":
+                    for e in range(d):
+                        miss *= 1 - q * p[e]
+                if kind != "sa":
+                    for j in range(1, min(w - 1, d) + 1):
+                        miss *= 1 - p[d - j]
+                new.append(1 - miss)
+            p = new
+            expected.append(p)
+        got = mean_field_distance(n, w, layers, kind)
+        assert len(got) == layers
+        for ours, loop in zip(got, expected):
+            assert ours == pytest.approx(loop, abs=1e-12), kind
+
+
+def test_ws_clustering_approx_is_barrat_weigt():
+    """C(p) = C(0) (1-p)^3 with C(0) = 3(K-2)/(4(K-1)), the ring lattice's clustering (measured here at p = 0)."""
+    from analysis.smallworld import ws_clustering_approx
+
+    for k in (4, 10, 20):
+        c0 = 3 * (k - 2) / (4 * (k - 1))
+        assert measure(watts_strogatz_csr(200, k, 0.0)).clustering == pytest.approx(c0, abs=1e-12)
+        assert ws_clustering_approx(k, 0.0) == pytest.approx(c0, abs=1e-12)
+        for p in (0.1, 0.3, 0.5):
+            assert ws_clustering_approx(k, p) == pytest.approx(c0 * (1 - p) ** 3, abs=1e-12)
+    assert ws_clustering_approx(2, 0.1) == 0.0
+
+
+def test_connected_fraction_counts_ordered_pairs_of_distinct_nodes():
+    """connected_fraction = reachable pairs / (sources x (n - 1)): 1 on a connected graph, (m-1)/(2m-1) on two
+    components of m nodes each."""
+    nx = pytest.importorskip("networkx")
+    assert measure(CsrGraph(nx.to_scipy_sparse_array(nx.cycle_graph(30)))).connected_fraction == 1.0
+    assert measure(BandGraph(stack_paths("swa", 1, 40, 4)[0])).connected_fraction == 1.0
+    assert measure(CsrGraph(nx.to_scipy_sparse_array(nx.path_graph(30))), path_sources=7).connected_fraction == 1.0
+    m = 15
+    two = nx.disjoint_union(nx.cycle_graph(m), nx.cycle_graph(m))
+    assert measure(CsrGraph(nx.to_scipy_sparse_array(two))).connected_fraction == pytest.approx((m - 1) / (2 * m - 1))
+
+
+def test_first_full_needs_exactly_full_coverage():
+    """first_full is 1-based and accepts only coverage 1, not a value that rounds to it."""
+    from analysis.coverage import first_full
+
+    assert first_full([0.9995, 1.0]) == 2
+    assert first_full([0.5, 0.99999999, 1.0, 1.0]) == 3
+    assert first_full([1.0]) == 1
+    assert first_full([0.2, 0.9999]) is None
+
+
+def test_small_world_sigma_divides_the_path_length_ratio():
+    """run_smallworld's sigma = (C / C_rand) / (L / L_rand), from the row's own C, L, C_rand and L_rand."""
+    from analysis.coverage import run_smallworld
+
+    rows = run_smallworld(120, 6, 2, seed=1, variants=("sa",), log=lambda msg: None)
+    assert len(rows) == 2
+    for r in rows:
+        assert r["path_length"] / r["l_rand"] != pytest.approx(1.0, abs=0.01)  # the ratio matters
+        expected = (r["clustering"] / r["c_rand"]) / (r["path_length"] / r["l_rand"])
+        assert r["sigma"] == pytest.approx(expected, rel=1e-12)

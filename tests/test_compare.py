@@ -552,3 +552,94 @@ def test_where_a_run_was_launched_does_not_split_its_seeds():
               for i, d in enumerate(("x", "y"))]
     assert probes[0] == probes[1] == {
         "data.source.paths": json.dumps(["${paths.cache_dir}/probes/kv-s0.jsonl", "/books/a.txt"])}
+
+
+def test_the_tokens_per_s_column_is_the_median_over_the_run(tmp_path):
+    """tokens/s is the median of the run's rows: one slow or fast row (a checkpoint save, a warm cache) was the
+    column when it happened to be the last."""
+    from tools.compare import compare
+
+    run = _fake_run(tmp_path, "r", max_steps=30)
+    (run / "metrics.csv").write_text("epoch,step,train/loss,train/tokens,train/tokens_per_s\n"
+                                     "0,9,2.0,320,1\n0,19,1.9,640,3\n0,29,1.8,960,100\n")
+    result = compare([str(run)], tmp_path / "out", plots=False)
+    assert result["rows"][0]["tokens_per_s"] == 3 and "| 1.8000 | — | — | 3 |" in result["markdown"]
+
+
+def test_the_band_of_the_loss_plot_is_the_min_and_max_across_seeds():
+    """The shaded band is min-max across the runs at each x, the thick line their mean; a run that stopped early
+    leaves the later points to the others."""
+    from tools.compare import _mean_band
+
+    xs, mean, lo, hi = _mean_band([([0, 1, 2], [1.0, 5.0, 3.0]), ([0, 1], [3.0, 1.0])])
+    assert xs.tolist() == [0, 1, 2] and mean.tolist() == [2.0, 3.0, 3.0]
+    assert lo.tolist() == [1.0, 1.0, 3.0] and hi.tolist() == [3.0, 5.0, 3.0]
+    assert _mean_band([([], [])]) is None
+
+
+def test_tokens_per_step_from_the_config_counts_every_device_and_node(tmp_path):
+    """A run too short to log train/tokens takes its tokens per step from the config: each of the devices x nodes
+    ranks trains on its own batches, so a 2-GPU run's tokens were halved if the devices were left out."""
+    from tools.runs import load_run
+
+    run = load_run(_fake_run(tmp_path, "r", max_steps=2, rows=[(0, 0, "", "", 3.0), (0, 2, "", "", 2.9)],
+                             trainer={"devices": 2, "num_nodes": 3, "accumulate_grad_batches": 2}))
+    assert run.tokens_per_step() == 2 * 16 * 2 * 2 * 3
+    assert run.tokens_at([0, 2]) == [0, 2 * 384]
+
+
+def test_a_restart_keeps_the_rows_logged_at_its_own_step(tmp_path):
+    """A restart from the step-20 checkpoint (a training row at 20 after rows up to 30) drops the abandoned rows
+    after step 20; the validation at 20 scored the very weights the restart resumed from, and is kept."""
+    from tools.runs import read_metrics
+
+    run = _fake_run(tmp_path, "r", rows=[(0, 19, 2.2, 640, ""), (0, 20, "", "", 2.1), (0, 29, 9.9, 960, ""),
+                                         (0, 30, "", "", 9.9), (0, 20, 2.0, 672, "")])
+    metrics = read_metrics(run / "metrics.csv")
+    assert metrics["val/loss"] == {20: 2.1}
+    assert metrics["train/loss"] == {19: 2.2, 20: 2.0}
+
+
+def test_a_config_key_only_one_seed_has_splits_the_group(tmp_path):
+    """A key set in one run's config and absent from the other's (an option added since, or a config from another
+    version of train.py) is a difference: the two were pooled as seeds of one configuration."""
+    from tools.compare import compare
+
+    rows = [(0, 9, 2.0, 320, ""), (0, 9, "", "", 2.1)]
+    _fake_run(tmp_path, "a", seed=0, rows=rows, trainer={"gradient_clip_val": 1.0})
+    _fake_run(tmp_path, "b", seed=1, rows=rows)
+    groups = {r["run"]: r["group"] for r in compare([str(tmp_path)], tmp_path / "out", plots=False)["rows"]}
+    assert groups == {"a": "sa w=8 (trainer.gradient_clip_val=1.0)", "b": "sa w=8 (trainer.gradient_clip_val=—)"}
+
+
+def test_a_run_one_step_short_is_marked_stopped_early(tmp_path):
+    """29 of 30 planned steps is a run that stopped early, however close to the end."""
+    from tools.compare import compare
+
+    _fake_run(tmp_path, "r", max_steps=30, rows=[(0, 28, 2.0, 928, "")])
+    result = compare([str(tmp_path)], tmp_path / "out", plots=False)
+    assert result["rows"][0]["steps"] == 29 and "| r | sa | 8 | 0 | 29/30 |" in result["markdown"]
+
+
+def test_a_training_row_at_step_s_follows_s_plus_one_steps(tmp_path):
+    """The training row at step s is logged during step s + 1: a run whose last row is at 19 ran 20 steps, and the
+    loss at 9 was measured after 10 steps' tokens."""
+    from tools.runs import load_run
+
+    run = load_run(_fake_run(tmp_path, "r", max_steps=20, rows=[(0, 9, 2.5, 320, ""), (0, 19, 2.2, 640, "")]))
+    assert run.steps == 20 and run.tokens_per_step() == 32
+    assert run.tokens_at([9, 19], "train/loss") == [10 * 32, 20 * 32]
+
+
+def test_a_tie_between_early_and_current_validation_labels_reads_as_current(tmp_path):
+    """A run trained 9 steps (a final validation at 9) and then continued to 20 (validations at 10 and 20) holds one
+    label at k * every - 1 and one at k * every. Early labels come only from files written before 2026-12-02 and
+    are the exception, taken only on a majority of the periodic validations: a tie reads as the current labels, so
+    the validation at 9 stays after 9 steps (an early reading made it 10, the same x as the one at 10)."""
+    from tools.runs import load_run
+
+    rows = [(0, 0, "", "", 3.0), (0, 9, "", "", 2.6), (0, 9, 2.5, 320, ""), (0, 10, "", "", 2.4),
+            (0, 19, 2.2, 640, ""), (0, 20, "", "", 2.1)]
+    run = load_run(_fake_run(tmp_path, "r", max_steps=20, rows=rows))
+    assert not run._periodic_val_labelled_early()
+    assert run.steps == 20 and run.tokens_at([0, 9, 10, 20]) == [0, 9 * 32, 10 * 32, 20 * 32]

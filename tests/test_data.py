@@ -484,6 +484,16 @@ def test_windows_are_deterministic_by_seed_index_rank(tmp_path, corpus_file):
         TrainWindows(prepared.train_shards, seq_len=train_size, batch_size=4, seed=0, rank=0, length=100)
 
 
+def test_every_grid_phase_a_shards_slack_allows_is_drawn(tmp_path):
+    """The phase of a shard's window grid is drawn from 0 to its slack, both ends included (the slack's last token
+    would otherwise never start a pass's grid), and the shard dtype holds ids up to 65535 in 16 bits."""
+    path = tmp_path / "s.bin"
+    shards.write_shard(path, np.arange(1, 1 + 3 * 32 + 1 + 3, dtype=np.uint16))  # 3 windows of 32, slack 3
+    ds = TrainWindows([path], 32, 1, seed=0, rank=0, length=10)
+    assert ds.slack.tolist() == [3]
+    assert {int(ds._order(p)[2][0]) for p in range(200)} == {0, 1, 2, 3}
+    assert shards.dtype_for_vocab(1 << 16) is np.uint16 and shards.dtype_for_vocab((1 << 16) + 1) is np.uint32
+
 @pytest.mark.parametrize("start", ["any", "document"])
 def test_shuffled_windows_take_each_window_once_per_pass(tmp_path, start):
     """Over the ranks and steps of a pass every window is drawn once (no gaps, no repeats); the next pass draws them
@@ -895,6 +905,18 @@ def test_a_folder_of_files_leaves_out_what_is_not_corpus(tmp_path, capsys):
     said = capsys.readouterr().err
     assert said.count("left out of") == 1 and "README.txt" in said and "p.jsonl.spec.json" in said  # said once
     assert resolve_files([str(tmp_path / "README.txt")]) == [str(tmp_path / "README.txt")]  # named, it is read
+
+
+def test_the_validation_split_is_the_same_in_every_version():
+    """Which documents are held out is part of every prepared cache and every run's validation loss: pinned, so a
+    change of the hash (its end of the range, its key) shows here instead of as silently other val losses."""
+    from data.prepare import _is_val
+
+    assert [i for i in range(200) if _is_val(i, "", {"val_fraction": 0.1})] == [
+        6, 38, 41, 46, 57, 59, 61, 82, 88, 94, 104, 110, 151, 159, 195]
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+    held = [w for w in words if _is_val(0, w, {"val_fraction": 0.2, "val_split": "content"})]
+    assert held == ["alpha", "epsilon", "eta"]
 
 
 def test_the_tokenizer_is_trained_on_training_documents_only(tmp_path):

@@ -332,3 +332,24 @@ def test_token_units_and_probe_examples_ignore_a_template():
         m = len(answer)
         first = max(i for i in range(len(prompt) - m + 1) if prompt[i:i + m] == answer)  # the value, in the prompt
         assert distance == len(prompt) - 1 - first, (distance, len(prompt), first)
+
+
+@pytest.mark.parametrize("task", ["kv", "passkey", "needle"])
+def test_the_largest_distance_that_fits_can_be_drawn(task):
+    """The needed item at the very start of the prompt: asked for exactly, and drawn when it is the only choice left
+    (the range's upper end is included)."""
+    most = max(d for d in range(0, 301) if _fits(ProbeSpec(task=task, length=300, distance=d)))
+    assert make_probe(ProbeSpec(task=task, length=300, distance=most), 0).distance == most
+    drawn = {make_probe(ProbeSpec(task=task, length=300, min_distance=most, seed=s), 0).distance for s in range(3)}
+    assert drawn == {most}
+    with pytest.raises(ValueError, match="impossible"):
+        make_probe(ProbeSpec(task=task, length=300, distance=most + 1), 0)
+
+
+def _fits(spec) -> bool:
+    try:
+        make_probe(spec, 0)
+    except ValueError:
+        return False
+    return True
+

@@ -3,6 +3,7 @@
 import contextlib
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -43,6 +44,10 @@ def test_each_variant_trains_and_its_loss_falls(attention, tmp_path, corpus_file
     for key in ("train/loss", "train/lr", "train/grad_norm", "train/tokens", "train/tokens_per_s", "val/loss",
                 "val/ppl"):
         assert key in logged, key
+    assert logged["val/ppl"].keys() == logged["val/loss"].keys() == {0, 30}
+    for step, loss in logged["val/loss"].items():  # perplexity in nats' base, at every validation
+        assert logged["val/ppl"][step] == pytest.approx(math.exp(loss), rel=1e-5), step
+    assert logged["train/tokens"][29] == 30 * 4 * 64  # steps x batch x seq_len, after the 30th step
     if logger:
         assert list((tmp_path / "wandb").glob("offline-run-*")), "an offline W&B run is written"
     gates = [key for key in logged if key.startswith("gates/")]
@@ -311,6 +316,10 @@ def test_learning_rate_schedules():
     assert rates["wsd"][109] == pytest.approx(0.1 + 0.9 / 22)  # the last update: one step before the minimum
     short = lr_lambda(2, 10, 0.1, "wsd", 0.01)  # a share of the steps under one step still decays over one
     assert [short(s) for s in (8, 9, 10)] == [1.0, 1.0, pytest.approx(0.1)]
+    # a decay share longer than what follows the warmup decays from the warmup's end, never before it
+    late = lr_lambda(10, 20, 0.1, "wsd", 0.9)
+    assert late(9) == pytest.approx(1.0) and late(10) == pytest.approx(1.0) and late(15) == pytest.approx(0.55)
+    assert late(20) == pytest.approx(0.1)
 
 
 def test_a_run_follows_the_configured_schedule(tmp_path, corpus_file, data_cache):
@@ -412,13 +421,27 @@ def test_older_step_checkpoints_shrink_to_their_weights(tmp_path, corpus_file, d
 def test_pruning_keeps_the_newest_version_of_a_step(tmp_path):
     from model.checkpoint import prune_step_checkpoints
 
+    from model.checkpoint import TRAINING_STATE
+
+    training_state = {key: [1] for key in TRAINING_STATE}  # optimizer, schedule, loops, callbacks
+    assert set(TRAINING_STATE) == {"optimizer_states", "lr_schedulers", "loops", "callbacks"}
     for name, step in (("step0000004.ckpt", 4), ("step0000004-v1.ckpt", 4), ("step0000002.ckpt", 2)):
-        torch.save({"global_step": step, "state_dict": {}, "optimizer_states": [1], "name": name}, tmp_path / name)
+        torch.save({"global_step": step, "state_dict": {}, **training_state, "name": name}, tmp_path / name)
+    assert prune_step_checkpoints(tmp_path, keep=5) == [] and len(list(tmp_path.glob("*.ckpt"))) == 3  # fewer: none
     pruned = prune_step_checkpoints(tmp_path, keep=1)
     assert sorted(p.name for p in pruned) == ["step0000002.ckpt", "step0000004.ckpt"]
     assert (tmp_path / "step0000004-v1.ckpt").is_file()
     slim = torch.load(tmp_path / "weights" / "step0000004.pt", weights_only=True)
     assert slim == {"global_step": 4, "state_dict": {}, "name": "step0000004.ckpt"}  # no training state
+
+
+def test_the_stream_position_counts_ranks_accumulation_and_what_an_earlier_start_skipped():
+    from model.checkpoint import stream_position
+
+    ckpt = {"global_step": 5, "layout": {"world_size": 2, "accumulate_grad_batches": 3},
+            "hyper_parameters": {"data": {"batch_size": 4}, "init_from": {"samples_skipped": 7}}}
+    assert stream_position(ckpt) == 5 * 2 * 3 * 4 + 7
+    assert stream_position({**ckpt, "layout": None}) is None  # an older checkpoint: not known
 
 
 def test_init_from_starts_a_new_run_from_another_runs_weights(tmp_path, corpus_file, data_cache, capsys):
@@ -925,18 +948,19 @@ def test_flops_per_token_counts_the_head_and_the_matmuls_that_run():
     (the fused attention kernel is counted apart: aten's counter takes it as dense); SWA with w >= n is full."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    def model(**attention):
-        return LitDecoder(model=dict(vocab_size=512, n_layers=2, d_model=64, n_heads=4, max_seq_len=32),
-                          attention=attention, optim={}, max_steps=10).model
+    def model(tie=True, **attention):
+        return LitDecoder(model=dict(vocab_size=512, n_layers=2, d_model=64, n_heads=4, max_seq_len=32,
+                                     tie_embeddings=tie), attention=attention, optim={}, max_steps=10).model
 
-    swa = model(kind="swa", window=32, backend="torch")
     tokens = torch.randint(0, 512, (2, 32))
-    with FlopCounterMode(display=False) as counter:
-        swa(tokens).float().pow(2).mean().backward()
-    linear = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "mm" in str(op))
-    attention = 12 * swa.cfg.n_layers * swa.cfg.d_model * (32 + 1) / 2  # a causal band of w = n keys
-    assert (swa.flops_per_token(32) - attention) * tokens.numel() == pytest.approx(linear, rel=0.01)
-    assert swa.flops_per_token(32) == pytest.approx(model(kind="full").flops_per_token(32))
+    for tie in (True, False):  # an untied head is counted once, as the one matmul it is (the 360M preset's)
+        swa = model(tie, kind="swa", window=32, backend="torch")
+        with FlopCounterMode(display=False) as counter:
+            swa(tokens).float().pow(2).mean().backward()
+        linear = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "mm" in str(op))
+        attention = 12 * swa.cfg.n_layers * swa.cfg.d_model * (32 + 1) / 2  # a causal band of w = n keys
+        assert (swa.flops_per_token(32) - attention) * tokens.numel() == pytest.approx(linear, rel=0.01), tie
+    assert swa.flops_per_token(32) == pytest.approx(model(False, kind="full").flops_per_token(32))
 
 
 @pytest.mark.parametrize("window", [1, 4, 9, 64, 200])
@@ -1066,6 +1090,30 @@ def test_tokens_per_s_is_the_rate_over_the_logging_interval(monkeypatch):
     for _ in range(4):
         module.on_train_batch_end(None, batch, 0)
     assert logged == [32 / 1.0, 64 / 3.0, 64 / 2.5]  # the first batch starts the clock; then the last two
+
+
+def test_tokens_per_s_and_mfu_over_ranks_and_accumulation(monkeypatch):
+    """Two ranks, two micro-batches per step: the rate counts every rank's tokens over the step's micro-batches, and
+    MFU is one rank's share of the FLOPs over one device's peak (untested: world size and accumulation)."""
+    import lightning as L
+
+    import model.lightning_module as lm
+
+    module = _tiny_module()
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                               log_every_n_steps=1, accumulate_grad_batches=2)
+    monkeypatch.setattr(type(module.trainer), "world_size", property(lambda self: 2))
+    module._peak = 1e12
+    logged = {}
+    module.log = lambda name, value, **kw: logged.setdefault(name, []).append(float(value))
+    clock = iter([0.0, 1.0, 3.0, 3.5])
+    monkeypatch.setattr(lm.time, "perf_counter", lambda: next(clock))
+    batch = torch.randint(0, 32, (2, 17))  # 32 tokens a rank
+    for _ in range(4):
+        module.on_train_batch_end(None, batch, 0)
+    rates = [64 / 1.0, 128 / 3.0, 128 / 2.5]  # a window of 2 micro-batches, each 2 ranks x 32 tokens
+    assert logged["train/tokens_per_s"] == pytest.approx(rates)
+    assert logged["train/mfu"] == pytest.approx([module.model.flops_per_token(16) * r / 2 / 1e12 for r in rates])
 
 
 def test_mfu_counts_the_whole_model_under_fsdp():
