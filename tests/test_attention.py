@@ -623,3 +623,24 @@ def test_inference_keeps_one_sequence_of_buffers_at_a_time(monkeypatch):
         out = torch_band.torch_banded_attention(q, k, v, 4, 4, perm)
     torch.testing.assert_close(out, naive_banded_attention(q, k, v, 4, 4, perm), rtol=1e-5, atol=1e-5)
     assert peak[0] < 2 * q.numel()  # the output and one sequence's buffers (1.8x); all 4 sequences' made it 4.1x
+
+
+def test_padded_permutations_move_real_tokens_only_and_ignore_the_rest_of_the_batch():
+    """Right padding: pi permutes the first L_b slots among themselves and leaves the pads in place, in training (where
+    lengths were ignored, pads drawn into the band of real tokens) and at evaluation, for L_b = n - 1 too; an eval
+    sequence's pi depends only on (eval seed, layer, L_b), never on the rows before it (one generator shared by the
+    batch gave the second row another pi than alone)."""
+    n, lengths = 40, [40, 23, 39, 1, 23]
+    samplers = (PermutationSampler(seed=2), PermutationSampler(seed=2, per_sequence=False),
+                PermutationSampler(eval_seed=4))
+    for sampler, training in zip(samplers, (True, True, False)):
+        perms = sampler.sample(1, n, len(lengths), training=training, lengths=torch.tensor(lengths)).long()
+        assert perms.shape == (len(lengths), n)
+        for p, length in zip(perms, lengths):
+            assert torch.equal(p[:length].sort().values, torch.arange(length))
+            assert torch.equal(p[length:], torch.arange(length, n))
+            assert length < 3 or not torch.equal(p[:length], torch.arange(length))  # real tokens are permuted
+        if not training:
+            for p, length in zip(perms, lengths):
+                assert torch.equal(p, sampler.sample(1, n, 1, training=False, lengths=[length])[0].long())
+            assert torch.equal(perms[0], sampler.sample(1, n, 1, training=False).long())  # unpadded: the shared pi

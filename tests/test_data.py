@@ -1011,3 +1011,42 @@ def test_the_umask_is_read_without_being_set(tmp_path, monkeypatch):
     assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o640
     assert calls == [] or not Path("/proc/self/status").is_file()
 
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_parquet_json_bz2_and_xz_files_are_read_by_their_own_loaders(tmp_path, streaming):
+    """The other advertised formats: parquet (read as json it is unreadable), a .json file holding one JSON array (read
+    as text it is one document of JSON), .bz2 and .xz compression (named in the error message and the docs). An empty
+    text field is no document (it made a document of one EOS)."""
+    import bz2
+    import lzma
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["from parquet", ""], "id": [1, 2]}), tmp_path / "a.parquet")
+    (tmp_path / "b.json").write_text(json.dumps([{"text": "from a json array"}, {"text": "its second row"}]))
+    (tmp_path / "c.jsonl.bz2").write_bytes(bz2.compress(b'{"text": "from bz2"}\n{"text": ""}\n'))
+    (tmp_path / "d.txt.xz").write_bytes(lzma.compress("from xz\nthe same document".encode()))
+    docs = list(file_documents([str(tmp_path / n) for n in ("a.parquet", "b.json", "c.jsonl.bz2", "d.txt.xz")],
+                               streaming=streaming))
+    assert docs == ["from parquet", "from a json array", "its second row", "from bz2", "from xz\nthe same document"]
+
+
+def test_a_trained_tokenizer_round_trips_any_text_and_finds_each_kind_of_eos():
+    """Without the byte alphabet, bytes absent from the training text (accents, CJK, emoji) were dropped in silence;
+    with add_prefix_space a document's first word gained a space (decode no longer gave the text back). A foreign
+    tokenizer's end-of-text token is any of the known spellings, ours first when it has several."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from data.tokenizer import EOS, EOS_FALLBACKS, eos_id, train_bpe
+
+    tok = train_bpe([f"plain ascii document number {i} about cats and dogs" for i in range(30)], vocab_size=300)
+    for text in ("plain words", "café, naïve – 日本語 ✓", "  two leading spaces\tand a tab\n"):
+        assert tok.decode(tok.encode(text).ids) == text
+    assert not tok.encode("plain").tokens[0].startswith("Ġ")
+    assert eos_id(tok) == tok.token_to_id(EOS)
+    for name in EOS_FALLBACKS:
+        assert eos_id(Tokenizer(WordLevel({"a": 0, "[UNK]": 1, name: 7}, unk_token="[UNK]"))) == 7
+    both = Tokenizer(WordLevel({"a": 0, "</s>": 1, "<eos>": 2, EOS: 3}, unk_token="a"))
+    assert eos_id(both) == 3

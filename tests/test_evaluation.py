@@ -267,6 +267,25 @@ def test_table_shows_extra_tasks_as_percent_only_when_they_are_accuracies():
     assert "| 25.0 |" in row and "| 31.50 |" in row  # LAMBADA acc in %, the extra perplexity as is
 
 
+def test_a_table_row_shows_accuracies_and_their_spread_in_percent_and_averages_the_accuracy_columns():
+    """The paper's row: perplexities as they are, accuracies and their seed spread in %, Avg the mean of the accuracy
+    columns only (in %, its spread too), and an Avg over fewer accuracy columns than the table shows says so."""
+    from evaluation.report import avg_accuracy, markdown_table
+
+    per_task = {"wikitext": {"word_perplexity": {"value": 31.25, "std": 1.5}},
+                "lambada_openai": {"perplexity": {"value": 12.5, "std": 0.25}, "acc": {"value": 0.3, "std": 0.02}},
+                "piqa": {"acc": {"value": 0.625, "std": 0.01}, "acc_norm": {"value": 0.9, "std": 0.0}},
+                "hellaswag": {"acc_norm": {"value": 0.275, "std": 0.005}, "acc": {"value": 0.99, "std": 0.0}}}
+    avg, used = avg_accuracy(per_task)
+    assert used == ["lambada_openai/acc", "piqa/acc", "hellaswag/acc_norm"] and avg == pytest.approx(0.4)
+    tasks = ["wikitext", "lambada_openai", "piqa", "hellaswag"]
+    lines = markdown_table([("sa (w=8)", per_task, {"value": avg, "std": 0.015, "tasks": used})], 2, tasks).splitlines()
+    assert lines[0] == "| Model | Wiki ppl ↓ | LMB ppl ↓ | LMB acc ↑ | PIQA (acc) | Hella (acc_norm) | Avg ↑ |"
+    assert lines[2] == "| sa (w=8) | 31.25 ± 1.50 | 12.50 ± 0.25 | 30.0 ± 2.0 | 62.5 ± 1.0 | 27.5 ± 0.5 | 40.0 ± 1.5 |"
+    fewer = markdown_table([("sa", per_task, {"value": avg, "std": 0.0, "tasks": used[:2]})], 1, tasks).splitlines()
+    assert fewer[2] == "| sa | 31.25 | 12.50 | 30.0 | 62.5 | 27.5 | 40.0 (2/3 tasks) |"
+
+
 def test_a_loaded_tokenizer_reads_special_token_text_as_text(loaded):
     """As data.prepare encoded the training documents: a literal "<|endoftext|>" in a prompt is not the EOS."""
     from data.tokenizer import EOS
@@ -551,6 +570,35 @@ def test_siqa_conversion_follows_its_labels_file(evaldata, tmp_path):
     labels.write_text("".join(f"{label}\n" for label in after))  # same size: only the mtime tells
     os.utime(labels, ns=(mtime, mtime))
     assert converted() == after != before
+
+
+def test_the_alternative_local_layouts_convert_to_the_same_documents(evaldata, tmp_path):
+    """shared/evaldata's other layouts: OpenBookQA as llm-foundry's openbook_qa.jsonl ({"query", "choices", "gold"}
+    with gold 0-based, answerKey a letter), SIQA without dev-labels.lst (the label is the 1-based index of the answer
+    text among the options), LAMBADA standard as lambada_test.jsonl. Each must give the documents of the main layout
+    (an off-by-one label scores every item against the wrong choice, silently)."""
+    from evaluation.local_tasks import write_local_tasks
+
+    _, truth, _ = evaldata
+    folder = tmp_path / "evaldata"
+    for sub in ("openbookqa", "siqa", "lambada_standard"):
+        (folder / sub).mkdir(parents=True)
+    obqa = [{"query": d["question_stem"], "choices": d["choices"]["text"], "gold": "ABCD".index(d["answerKey"])}
+            for d in truth["openbookqa"]]
+    (folder / "openbookqa" / "openbook_qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in obqa))
+    siqa = [{"context": d["context"], "question": d["question"], "options": [d["answerA"], d["answerB"], d["answerC"]],
+             "answer": d["answer" + "ABC"[int(d["label"]) - 1]]} for d in truth["social_iqa"]]
+    (folder / "siqa" / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in siqa))
+    lambada = [{"text": d["text"]} for d in truth["lambada_standard"]]
+    (folder / "lambada_standard" / "lambada_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lambada))
+    tasks = ["openbookqa", "social_iqa", "lambada_standard"]
+    local = write_local_tasks(folder, tasks, tmp_path / "tasks")
+    assert set(local.available) == set(tasks), local.missing
+    got = {t: [json.loads(line) for line in (local.task_dir / "data" / f"{t}.jsonl").open()] for t in tasks}
+    assert [{k: v for k, v in d.items() if k != "id"} for d in got["openbookqa"]] == [
+        {k: v for k, v in d.items() if k != "id"} for d in truth["openbookqa"]]
+    assert got["social_iqa"] == truth["social_iqa"]
+    assert got["lambada_standard"] == truth["lambada_standard"]
 
 
 def test_a_task_whose_local_files_are_gone_leaves_no_yaml_behind(evaldata, tmp_path):

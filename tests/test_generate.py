@@ -76,3 +76,44 @@ def test_a_continuation_keeps_its_leading_space_under_a_sentencepiece_decoder():
     assert tok.decode([4, 5]) == "the world"  # the bug's cause: the leading space is stripped
     assert "The history of" + continuation(tok, prompt, [4, 5]) == "The history of the world"
     assert continuation(tok, prompt, []) == ""
+
+
+def test_top_p_reads_the_mass_left_by_top_k_and_stops_once_it_is_reached():
+    """top_p is taken over the top_k tokens renormalised (as transformers' warpers chain them): dropping top_p when
+    top_k is set, or cutting on the full distribution, kept token 3 at top_k=2, top_p=0.5. A set whose mass equals
+    top_p already reaches it: `>` for `>=` kept a second token of equal mass."""
+    logits = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3]])).repeat(2000, 1)
+    gen = torch.Generator().manual_seed(0)
+    assert set(next_token(logits, top_k=2, top_p=0.5, generator=gen).tolist()) == {1}  # 0.4 / 0.7 reaches 0.5
+    assert set(next_token(logits, top_k=3, top_p=0.6, generator=gen).tolist()) == {1, 3}  # 0.4 / 0.9 does not
+    tie = torch.zeros(2000, 2)  # probabilities 0.5 and 0.5, exact in floating point
+    assert len(set(next_token(tie, top_p=0.5, generator=gen).tolist())) == 1
+
+
+def test_each_sample_stops_at_its_own_eos_and_the_others_go_on():
+    """One sample's EOS ended every sample (`done.any()`), or a finished sample went on collecting tokens past its
+    EOS: each sample is its draw without eos_id, cut before its first eos_id (the draws are the same either way)."""
+    model = _model("sa")
+    free = generate(model, [1, 2], 10, num_samples=4, generator=torch.Generator().manual_seed(5))
+    eos = free[2][3]
+    assert any(eos not in s for s in free) and any(eos in s[:-1] for s in free)  # the case is discriminating
+    stopped = generate(model, [1, 2], 10, num_samples=4, eos_id=eos, generator=torch.Generator().manual_seed(5))
+    assert stopped == [s[: s.index(eos)] if eos in s else s for s in free]
+
+
+def test_an_eval_model_is_given_back_in_eval_mode():
+    """A model that came in eval mode left in training mode would draw training permutations at its next call."""
+    model = _model("sa").eval()
+    generate(model, [1, 2], 3, generator=torch.Generator().manual_seed(0))
+    assert not model.training
+
+
+def test_each_step_reads_exactly_the_last_max_seq_len_tokens():
+    """A context one token short of max_seq_len (`-context + 1`) left greedy tokens of the tiny model unchanged, so
+    the rescoring test passed: the inputs of every step are checked here."""
+    model = _model("full")
+    seen, real = [], model.hidden_states
+    model.hidden_states = lambda tokens, *a, **kw: (seen.append(tokens.tolist()), real(tokens, *a, **kw))[1]
+    out = generate(model, [5, 9, 2], max_new_tokens=15, num_samples=2, temperature=0)
+    seq = [5, 9, 2] + out[0]
+    assert seen == [[seq[:i][-12:]] * 2 for i in range(3, 18)]

@@ -248,6 +248,9 @@ def test_errors_are_clear(tiny, ids):
         patch_model(tiny, "nsa", 8)
     with pytest.raises(ValueError, match="window"):
         patch_model(tiny, "sa", None)
+    from hf.patch import register
+
+    register()  # run alone (-k), no earlier test had registered the name and set_attn_implementation refused it
     fresh = _tiny("llama")
     fresh.set_attn_implementation("sa_prefill")  # registered, but the modules carry no settings
     with pytest.raises(RuntimeError, match="patch_model"), torch.no_grad():
@@ -330,6 +333,22 @@ def test_generation_that_would_not_prefill_with_the_pattern_is_refused(tiny, ids
     unpatched = tiny.generate(prompt, max_new_tokens=3, do_sample=False, use_cache=False)
     assert torch.equal(unpatched, tiny.generate(prompt, max_new_tokens=3, do_sample=False))
     unpatch_model(tiny, "sdpa")
+
+
+def test_an_offloaded_static_cache_is_refused_and_dtype_names_are_read_as_meant(ids):
+    """transformers' other static cache ("offloaded_static") gives the prefill more keys than queries as "static"
+    does: it ran the prompt with full attention under the patched kind's name. A torch dtype given as such was
+    replaced by the checkpoint's own, and each alias must name its own dtype."""
+    from hf.patch import _dtype
+
+    model = patch_model(_tiny("llama"), "sa", 3)
+    with pytest.raises(ValueError, match="static"):
+        model.generate(ids[:, :12], max_new_tokens=2, do_sample=False, cache_implementation="offloaded_static")
+    assert [_dtype(d) for d in ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32")] == [
+        torch.bfloat16, torch.bfloat16, torch.float16, torch.float16, torch.float32, torch.float32]
+    assert _dtype(torch.float16) is torch.float16 and _dtype(None) == _dtype("auto") == "auto"
+    with pytest.raises(ValueError, match="dtype"):
+        _dtype("half")
 
 
 def test_unpatch_keeps_a_models_own_instance_generate(ids):
@@ -710,6 +729,30 @@ def test_an_exported_checkpoint_gives_the_trained_models_logits(tiny_ckpt, tmp_p
     assert exported_attention(str(out), {"eval_seed": 3}) == {"kind": "sa", "window": 8, "eval_seed": 3}
     with pytest.raises(ValueError, match="needs window"):  # before the model loads (a folder that is none here)
         load_hf_model(str(tmp_path / "no_model_here"), kind="sa", window=None)
+
+
+def test_llama_names_and_config_carry_every_setting_of_the_decoder():
+    """The tiny checkpoint the export test uses has tied embeddings, RoPE base 10000 and norm eps 1e-6, Llama's own
+    defaults: a dropped rope_theta or rms_norm_eps, an untied lm_head mapped wrongly, swapped norms or SwiGLU halves
+    would pass there. Here every setting differs from those defaults and every weight from its init."""
+    from hf.export import llama_config, llama_name
+    from model.config import AttentionConfig, ModelConfig
+    from model.decoder import Decoder
+
+    cfg = ModelConfig(vocab_size=V, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, max_seq_len=64,
+                      rope_theta=500.0, norm_eps=1e-2, tie_embeddings=False)
+    ours = Decoder(cfg, AttentionConfig(kind="full", window=64, backend="torch")).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))  # norms away from 1, lm_head away from the embedding
+    llama = LlamaForCausalLM(llama_config(cfg, eos_id=0)).eval()
+    missing, unexpected = llama.load_state_dict({llama_name(k): v for k, v in ours.state_dict().items()}, strict=False)
+    assert not missing and not unexpected
+    assert not torch.equal(llama.lm_head.weight, llama.model.embed_tokens.weight)
+    tokens = torch.randint(0, V, (2, 40), generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(llama(tokens).logits, ours(tokens), atol=1e-5, rtol=1e-4)
 
 
 def test_an_export_keeps_the_eval_seed_of_its_sa_permutations(tiny_ckpt, tmp_path):
