@@ -362,6 +362,25 @@ def test_auto_backend_picks_one_that_takes_the_input():
     assert resolve_backend("auto", torch.device("cpu"), q) == "torch"
 
 
+def test_default_band_and_explicit_backends_that_cannot_run(monkeypatch):
+    """SA's band under pi is (floor((w-1)/2), floor(w/2)), SWA's (w-1, 0); head dim 256 still takes Triton; a missing
+    triton package is a clear error for backend=triton and auto's reason to take torch; a negative right edge is
+    refused like a negative left one."""
+    import kernels
+
+    assert default_band(8, False) == (7, 0) and default_band(8, True) == (3, 4) and default_band(7, True) == (3, 3)
+    cuda = torch.device("cuda")
+    if importlib.util.find_spec("triton") is not None:
+        assert kernels.resolve_backend("auto", cuda, torch.empty(1, 2, 8, 256, device="meta")) == "triton"
+    q, k, v = make_qkv(1, 2, 2, 8, 16, seed=0)
+    with pytest.raises(ValueError, match="band"):
+        banded_attention(q, k, v, 4, band=(2, -1))
+    monkeypatch.setattr(kernels, "_triton_available", lambda: False)
+    assert kernels.resolve_backend("auto", cuda, q) == "torch"
+    with pytest.raises(RuntimeError, match="not installed"):
+        kernels.resolve_backend("triton", cuda, q)
+
+
 def _layer(kind, window=8, backend="torch", n_kv_heads=2, seed=0):
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=64, n_layers=1, d_model=64, n_heads=4, n_kv_heads=n_kv_heads, max_seq_len=64)

@@ -123,8 +123,10 @@ def test_paper_preset_is_the_papers_model(tmp_path):
         ("data.tokenizer.train_chars=null", "data.tokenizer.train_chars"),
         ("data.tokenizer.train_chars=-5", "data.tokenizer.train_chars"),
         ("data.seq_len=null", "data.seq_len"),
+        ("data.seq_len=65", "data.seq_len"),  # past tiny's model.max_seq_len=64
         ("data.seq_len=32.5", "data.seq_len"),
         ("data.val_fraction=abc", "data.val_fraction"),
+        ("data.val_fraction=1", "data.val_fraction"),  # no training document left
         ("seed=-1", "seed"),
         # added with + (Hydra's advice for a misspelled key): read by nothing, the run would train without it
         ("+trainer.gradient_clip_val=1.0", "trainer.gradient_clip_val"),

@@ -776,6 +776,32 @@ def test_val_split_is_checked_and_only_content_changes_the_cache_key(tmp_path):
         validate_data_config({**cfg, "val_split": "hash"})
 
 
+def test_cache_key_follows_what_the_shards_depend_on(tmp_path):
+    """A new val_fraction, max_tokens cap, vocabulary, tokenizer file content or corpus file (size or mtime) gets its
+    own cache; how windows are drawn later and the shard size do not (they are read after preparation)."""
+    import os
+
+    from data.prepare import cache_key
+
+    path = tmp_path / "c.txt"
+    path.write_text("text")
+    cfg = data_cfg([path])
+    key = cache_key(cfg)
+    bigger_vocab = {"tokenizer": {**cfg["tokenizer"], "vocab_size": 320}}
+    for changed in ({"val_fraction": 0.2}, {"max_tokens": 1000}, bigger_vocab):
+        assert cache_key({**cfg, **changed}) != key, changed
+    assert cache_key({**cfg, "window_start": "document", "sampling": "random", "shard_tokens": 10**6}) == key
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    loaded = {**cfg, "tokenizer": {**cfg["tokenizer"], "path": str(tok)}}
+    before = cache_key(loaded)
+    tok.write_text('{"other": 1}')
+    assert cache_key(loaded) != before
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # same size, touched
+    assert cache_key(cfg) != key
+
+
 def test_single_token_id_ignores_the_post_processor():
     """A Llama-style template ("<s> $A") adds a token to every encoding; one token of text is still one token."""
     from tokenizers import processors

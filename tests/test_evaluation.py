@@ -353,6 +353,30 @@ def test_a_context_is_counted_cut_from_the_first_token_it_loses(loaded):
         assert (lm.requests_scored, lm.contexts_cut) == (1, cut), (context, continuation)
 
 
+def test_a_continuation_in_pieces_is_greedy_only_if_every_piece_is_and_batches_run_longest_first(loaded,
+                                                                                                    monkeypatch):
+    """is_greedy of a continuation longer than max_length ANDs over its pieces (a greedy last piece does not make a
+    non-greedy first one greedy); unique inputs run longest first, and results come back in request order."""
+    from evaluation.lm import SALM
+
+    lm = SALM(loaded=loaded, batch_size=1, device="cpu", max_length=2)
+    context = [7]
+    t0 = (int(lm._last_logits([context]).argmax()) + 1) % loaded.model.cfg.vocab_size  # not the greedy token
+    t1 = 9
+    t2 = int(lm._last_logits([[t0, t1]]).argmax())  # the greedy token after the last piece's input
+    (_, whole), (_, last_alone) = lm._loglikelihood_tokens([(("c", "y"), context, [t0, t1, t2]),
+                                                            (("c", "x"), [t0, t1], [t2])])
+    assert last_alone and not whole
+    widths = []
+    real = lm.model.hidden_states
+    monkeypatch.setattr(lm.model, "hidden_states", lambda t, n=None: widths.append(t.shape[1]) or real(t, n))
+    lm = SALM(loaded=loaded, batch_size=1, device="cpu")
+    reqs = [(("c", str(n)), list(range(5, 5 + n)), [40]) for n in (3, 10, 6)]
+    got = lm._loglikelihood_tokens(reqs)
+    assert widths == [10, 6, 3]
+    assert [g for g, _ in got] == [lm._loglikelihood_tokens([r])[0][0] for r in reqs]  # in request order
+
+
 def test_seeds_combine_into_their_mean_spread_and_mean_stderr():
     import statistics
 
@@ -1187,6 +1211,17 @@ def test_lm_eval_cli_refuses_few_shot_examples_from_a_test_split(tiny_ckpt, eval
     assert "--num_fewshot=2" in proc.stderr and "lambada_openai, piqa have no non-test split" in proc.stderr
 
 
+def test_scored_settings_fill_in_defaults_and_read_a_task_string_as_names():
+    """results.json's eval_config: tasks as a list of names however they were written, defaults filled in, and only
+    the settings scores depend on (not batch size or device)."""
+    from evaluation.runner import DEFAULTS, SCORED_SETTINGS, scored_settings
+
+    got = scored_settings({"tasks": "wikitext, piqa", "batch_size": 3, "device": "cpu", "num_fewshot": 2})
+    assert list(got) == list(SCORED_SETTINGS) and "batch_size" not in got and "device" not in got
+    assert got["tasks"] == ["wikitext", "piqa"] and got["num_fewshot"] == 2
+    assert got["num_seeds"] == DEFAULTS["num_seeds"] and scored_settings(None)["tasks"] == DEFAULTS["tasks"]
+
+
 def test_hub_tasks_are_skipped_up_front_only_where_the_hub_would_be_retried(monkeypatch):
     """Offline mode reads the local datasets cache (a cached hub task runs) and fails at once on a miss, so only a
     hub that cannot be reached without offline mode is skipped up front; behind a proxy the hub is tried."""
@@ -1239,6 +1274,9 @@ def test_metrics_under_a_filter_and_the_shots_are_reported_as_lm_eval_ran_them()
     ("limit", 0.02, False, False),  # lm-eval: 2% of every task, where eval.limit means the first N
     ("max_length", 0, False, False),
     ("max_length", 32, True, True),
+    ("num_fewshot", 0, False, True),
+    ("num_fewshot", True, False, False),  # a bool is not a number of shots
+    ("num_seeds", 0, False, False),
 ])
 def test_eval_settings_are_checked_before_a_model_loads(key, value, hf, ok):
     from evaluation.runner import check_eval_config

@@ -132,6 +132,17 @@ def test_full_blocks_are_exact_at_every_band_width(kf):
         assert not (full & ~all_visible).any(), left
 
 
+def test_one_compiled_flex_per_device_and_sa_masks_read_pos_in_bounds_in_the_tail_block(kf):
+    """The compiled flex_attention is built once per device type and reused; an SA mask_mod evaluated in the padded
+    tail of its last block (where a kernel may look) reads pos inside its bounds and never sees a pad."""
+    assert kf._flex_fn(True, "cpu") is kf._flex_fn(True, "cpu")
+    n = 100
+    sm = kf._sa_block_mask(n, 3, 4, torch.randperm(n))
+    last = torch.tensor(kf.BLOCK_SIZE - 1)
+    assert bool(sm.mask_mod(0, 0, last, last))  # a pad slot sees itself only
+    assert not bool(sm.mask_mod(0, 0, torch.tensor(n - 1), torch.tensor(n)))  # no real query sees a pad
+
+
 def test_compiled_matches_naive(kf):
     """The compiled kernel uses the block lists; SA with a new pi reuses the compiled graph (a new window may not)."""
     for kind, w, seed in [("none", 200, 0), ("batch", 64, 1), ("batch", 9, 2)]:

@@ -1552,3 +1552,18 @@ def test_fsdp_keeps_the_numerics_of_ddp_under_mixed_precision():
     for precision in ("bf16-true", 32, "64"):
         cfg.trainer.precision = precision
         assert _fsdp_strategy(cfg, _precision(cfg, True)).mixed_precision is None, precision
+
+
+def test_multirun_ddp_counts_a_list_of_device_ids_as_that_many_processes():
+    """trainer.devices=[0,1] under -m starts two ranks (refused); [0] is one process (allowed); single runs pass."""
+    from omegaconf import OmegaConf
+
+    from tools.guards import multirun_ddp_problem
+
+    def cfg(devices, strategy="ddp"):
+        return OmegaConf.create({"trainer": {"strategy": strategy, "devices": devices, "num_nodes": 1}})
+
+    assert "2 processes" in multirun_ddp_problem(cfg([0, 1]), multirun=True)
+    assert multirun_ddp_problem(cfg([0]), multirun=True) is None
+    assert multirun_ddp_problem(cfg([0, 1]), multirun=False) is None
+    assert multirun_ddp_problem(cfg(2, strategy="deepspeed"), multirun=True) is None
