@@ -119,11 +119,11 @@ def _evaluate(cfg: DictConfig):
         sys.exit(2)
     if not summary["results"]:
         say(f"error: nothing was evaluated: every task of the suite was skipped (see above); results.json in "
-              f"{out_dir} lists them")
+            f"{out_dir} lists them")
         sys.exit(1)
     report(summary["table"])
     report(f"results: {summary['json']}\n         {summary['markdown']}\n"
-          f"time   : {summary['seconds_total']:.0f} s ({len(summary['seeds'])} seed(s))")
+           f"time   : {summary['seconds_total']:.0f} s ({len(summary['seeds'])} seed(s))")
     return summary.get("avg_acc", {}) and summary["avg_acc"]["value"]
 
 
@@ -141,13 +141,13 @@ def exported_attention(name: str, attention: dict, given: set[str] | None = None
         attention = {**attention, "eval_seed": trained["eval_seed"]}
         if trained["eval_seed"]:
             say(f"eval: SA eval seed {trained['eval_seed']}, as {name} was trained (attention.eval_seed=<s> sets "
-                  "another)")
+                "another)")
     if "kind" in attention:  # another kind, at the trained window unless one is given
         check_window_for(trained["kind"], attention["kind"], attention.get("window"), name)
         if attention["kind"] != "full" and "window" not in attention and trained["window"]:
             attention = {**attention, "window": trained["window"]}
             say(f"eval: window {trained['window']}, as {name} was trained (sa_export.json; attention.window=<w> "
-                  "sets another)")
+                "sets another)")
         return attention
     check_window_for(trained["kind"], trained["kind"], attention.get("window"), name)
     attention = {**attention, "kind": trained["kind"], "window": attention.get("window", trained["window"])}
@@ -227,7 +227,7 @@ def evaluate_hf_model(name: str, eval_cfg: dict, attention: dict, out_dir: Path,
     if not plan.run:
         atomic_write_text(out_dir / "results.json", json.dumps({"model": name, "skipped": plan.skipped}, indent=1))
         say(f"error: nothing was evaluated: every task of the suite was skipped (see above); results.json in "
-              f"{out_dir} lists them")
+            f"{out_dir} lists them")
         sys.exit(1)
     try:
         model, tokenizer = load_hf_model(name, kind, window, seed=first, backend=backend,

@@ -489,9 +489,14 @@ def _resume_checkpoint(cfg, ckpt_dir: Path):
     if cfg.ckpt_path:
         return str(cfg.ckpt_path)
     if cfg.resume == "auto":
-        candidates = sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+        candidates = _checkpoints_by_age(ckpt_dir)
         return str(candidates[-1]) if candidates else None
     return None
+
+
+def _checkpoints_by_age(ckpt_dir: Path) -> list[Path]:
+    """A run's checkpoints, oldest first: resume=auto continues from the newest."""
+    return sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
 
 
 def _validation_missed(run_dir: Path, step: int | None, every: int, own_run: bool) -> bool:
@@ -783,8 +788,7 @@ def train(cfg: DictConfig, overrides: list[str] | None = None) -> dict:
     try:
         source = _checkpoint_meta(ckpt or init)
     except CheckpointError as err:  # resume=auto took the newest file: name the one before it
-        older = sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)[:-1] if ckpt and not cfg.ckpt_path \
-            else []
+        older = _checkpoints_by_age(ckpt_dir)[:-1] if ckpt and not cfg.ckpt_path else []
         if not older:
             raise
         raise CheckpointError(f"{err}; to continue from the checkpoint before it: ckpt_path={older[-1]}") from None
