@@ -39,11 +39,11 @@ def test_paper_preset_is_the_papers_model(tmp_path):
     assert cfg.trainer.max_steps == 15_000_000_000 // 524288
     # the prepared tokens hold the whole budget outside validation: one pass, no wrap at the end
     assert cfg.data.max_tokens * (1 - 1.5 * cfg.data.val_fraction) > 15e9 > cfg.data.max_tokens * (1 - 3e-3)
-    from train import _accumulation
+    from tools.train_config import accumulation_steps
 
-    assert [_accumulation(cfg, world) for world in (1, 8)] == [16, 2]
+    assert [accumulation_steps(cfg, world) for world in (1, 8)] == [16, 2]
     cfg.data.batch_size = 8  # README's 4 nodes x 8 GPUs
-    assert _accumulation(cfg, 32) == 1
+    assert accumulation_steps(cfg, 32) == 1
     import torch
 
     with torch.device("meta"):
@@ -229,7 +229,7 @@ def test_tokens_per_step_that_does_not_divide_is_refused_before_data_preparation
 def test_whole_numbers_in_other_spellings_are_accepted(override, tmp_path, corpus_file):
     """1e3 comes from Hydra as 1000.0, an ${oc.env:...} as a string: both are whole numbers, and each key reads
     them as one from then on (the data cache's key too)."""
-    from train import WHOLE_NUMBER_KEYS
+    from tools.train_config import WHOLE_NUMBER_KEYS
 
     cfg = compose_train(TINY + override.split(), tmp_path, corpus_file)
     check_config(cfg)
@@ -279,7 +279,7 @@ def test_a_tokenizer_without_an_end_of_text_token_is_refused_before_the_corpus_i
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 
-    from train import _check_vocabulary
+    from tools.train_config import _check_vocabulary
 
     path = tmp_path / "tokenizer.json"
     Tokenizer(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(path))

@@ -594,7 +594,7 @@ def test_data_val_split_is_the_default_of_older_checkpoints_and_part_of_the_stre
     """A checkpoint from before data.val_split split by index: its resume is no config change; an init_from run with
     the other split trains on other documents, so it does not skip the source's windows."""
     from model.lightning_module import _check_resumed_config
-    from train import STREAM_KEYS, _continued_stream
+    from tools.resume import STREAM_KEYS, continued_stream
 
     data = {"source": {"kind": "embedded"}, "val_fraction": 0.05, "max_tokens": None, "seq_len": 64,
             "window_start": "any", "sampling": "shuffled"}
@@ -602,31 +602,31 @@ def test_data_val_split_is_the_default_of_older_checkpoints_and_part_of_the_stre
     assert not [w for w in recwarn if "val_split" in str(w.message)]
     assert "val_split" in STREAM_KEYS
     source = {"samples": 5000, "seed": 0, "data": data}
-    assert _continued_stream({"seed": 0, "data": {**data, "val_split": "index"}}, source) == (5000, None)
-    assert _continued_stream({"seed": 0, "data": {**data, "val_split": "content"}}, source) == (
+    assert continued_stream({"seed": 0, "data": {**data, "val_split": "index"}}, source) == (5000, None)
+    assert continued_stream({"seed": 0, "data": {**data, "val_split": "content"}}, source) == (
         0, "data.val_split differs")
 
 
 def test_what_is_moved_aside_and_what_counts_as_this_runs_checkpoint(tmp_path):
     """Checkpoint files move, not their folder (a link to other storage stays where ModelCheckpoint writes); a
     checkpoint anywhere under checkpoints/ is the run's own; an empty checkpoints/ is no earlier run."""
-    from train import _own_checkpoint, _set_aside_earlier_run
+    from tools.resume import own_checkpoint, set_aside_earlier_run
 
     run, storage = tmp_path / "run", tmp_path / "scratch"
     storage.mkdir()
     run.mkdir()
     (run / "checkpoints").symlink_to(storage)
-    assert _set_aside_earlier_run(run, run / "checkpoints") is None  # nothing there yet
+    assert set_aside_earlier_run(run, run / "checkpoints") is None  # nothing there yet
     (storage / "last.ckpt").write_text("old")
     (run / "metrics.csv").write_text("step\n0\n")
-    aside = _set_aside_earlier_run(run, run / "checkpoints")
+    aside = set_aside_earlier_run(run, run / "checkpoints")
     assert (aside / "checkpoints" / "last.ckpt").read_text() == "old" and (aside / "metrics.csv").is_file()
     assert (run / "checkpoints").is_symlink() and not list(storage.iterdir())
     (storage / "keep").mkdir()
-    assert _own_checkpoint(str(run / "checkpoints" / "keep" / "x.ckpt"), run / "checkpoints")
-    assert _own_checkpoint(str(storage / "last.ckpt"), run / "checkpoints")  # through the link
-    assert not _own_checkpoint(str(aside / "checkpoints" / "last.ckpt"), run / "checkpoints")
-    assert not _own_checkpoint(None, run / "checkpoints")
+    assert own_checkpoint(str(run / "checkpoints" / "keep" / "x.ckpt"), run / "checkpoints")
+    assert own_checkpoint(str(storage / "last.ckpt"), run / "checkpoints")  # through the link
+    assert not own_checkpoint(str(aside / "checkpoints" / "last.ckpt"), run / "checkpoints")
+    assert not own_checkpoint(None, run / "checkpoints")
 
 
 def test_metrics_csv_is_appended_on_resume(tmp_path):
@@ -1526,13 +1526,13 @@ def test_sigterm_to_every_rank_of_a_ddp_job_stops_them_together(tmp_path, corpus
                                       ({"SLURM_PROCID": "0", "LOCAL_RANK": "1"}, False),  # srun --pty: Lightning's
                                       ({"SLURM_PROCID": "0", "NODE_RANK": "2"}, False)])
 def test_rank_zero_is_read_from_the_launchers_variables(env, zero, monkeypatch):
-    from train import _is_global_zero_from_env
+    from tools.resume import is_global_zero_from_env
 
     for key in ("RANK", "SLURM_PROCID", "NODE_RANK", "GROUP_RANK", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert _is_global_zero_from_env() is zero
+    assert is_global_zero_from_env() is zero
 
 
 def test_fsdp_keeps_the_numerics_of_ddp_under_mixed_precision():
@@ -1542,16 +1542,16 @@ def test_fsdp_keeps_the_numerics_of_ddp_under_mixed_precision():
 
     from train import _fsdp_strategy
 
-    from train import _precision
+    from tools.train_config import trainer_precision
 
     cfg = OmegaConf.create({"trainer": {"activation_checkpointing": False}})
     for precision in ("bf16-mixed", "bf16", "16", 16):  # Lightning's short names are mixed precisions
         cfg.trainer.precision = precision
-        mp = _fsdp_strategy(cfg, _precision(cfg, True)).mixed_precision_config
+        mp = _fsdp_strategy(cfg, trainer_precision(cfg, True)).mixed_precision_config
         assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == (torch.float32,) * 3, precision
     for precision in ("bf16-true", 32, "64"):
         cfg.trainer.precision = precision
-        assert _fsdp_strategy(cfg, _precision(cfg, True)).mixed_precision is None, precision
+        assert _fsdp_strategy(cfg, trainer_precision(cfg, True)).mixed_precision is None, precision
 
 
 def test_multirun_ddp_counts_a_list_of_device_ids_as_that_many_processes():

@@ -8,7 +8,8 @@ through the jobs in lockstep (shared/docs/environment.md section 4). Supported i
         for v in full swa sa gated_sa_swa; do python train.py attention=$v trainer=ddp; done
 
 Where it applies:
-  * train.py's check_config calls `refuse_multirun_ddp(cfg)` for every run, so every multirun is refused;
+  * train.py's check_config (tools/train_config.py) calls `refuse_multirun_ddp(cfg)` for every run, so every
+    multirun is refused;
   * the sweep presets in conf/experiment/ also register it as a Hydra callback, which stops before the first job:
         hydra: {callbacks: {multirun_guard: {_target_: tools.guards.MultirunDDPGuard}}}
 """
