@@ -338,6 +338,16 @@ def test_a_refused_launch_leaves_no_run_folder_and_keeps_one_with_a_record(tmp_p
     here.mkdir()
     assert launch("hydra.run.dir=.", cwd=here).returncode == 2
     assert here.is_dir() and not list(here.iterdir())
+    # the default run folder (runs/train/<date>_<kind>) of a first launch here: no empty runs/train/ is left either,
+    # while a folder that holds another run keeps it
+    assert launch(cwd=here).returncode == 2
+    assert not list(here.iterdir())
+    (here / "runs" / "train" / "earlier").mkdir(parents=True)
+    assert launch(cwd=here).returncode == 2
+    assert [p.name for p in (here / "runs" / "train").iterdir()] == ["earlier"]
+    # a run folder outside the launch directory goes, and its parent, there before, stays
+    assert launch(f"hydra.run.dir={tmp_path / 'elsewhere' / 'run'}", cwd=here).returncode == 2
+    assert (tmp_path / "elsewhere").is_dir() and not list((tmp_path / "elsewhere").iterdir())
 
 
 def test_a_misspelled_key_on_the_command_line_gets_a_did_you_mean():

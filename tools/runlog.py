@@ -57,11 +57,19 @@ def remove_refused_launch(run_dir, log_name: str) -> None:
     shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
     (run_dir / log_name).unlink(missing_ok=True)
     here = Path(os.getcwd()).resolve()
-    if run_dir.resolve() != here and run_dir.resolve() not in here.parents:
+    folder = run_dir.resolve()
+    if folder == here or folder in here.parents:
+        return
+    # then the parents that leaves empty below the launch directory (runs/train/ of a first launch there); folders
+    # outside it were there before, or are someone's
+    while True:
         try:
-            run_dir.rmdir()
-        except OSError:  # not empty after all
-            pass
+            folder.rmdir()
+        except OSError:  # not empty after all: another run's, or what this launch could not remove
+            return
+        folder = folder.parent
+        if here not in folder.parents:
+            return
 
 
 def say(text: str) -> None:
