@@ -89,6 +89,7 @@ def _evaluate(cfg: DictConfig):
     from kernels.cpu_malloc import keep_freed_memory
     from model.checkpoint import CheckpointError
     from model.config import ConfigError
+    from tools.config_hints import refuse_unread_top_keys
 
     keep_freed_memory()
 
@@ -98,6 +99,11 @@ def _evaluate(cfg: DictConfig):
         eval_cfg["task_dir"] = str(default_task_dir(eval_cfg["data_dir"], cfg.paths.cache_dir))
     given = attention_given(HydraConfig.get().overrides.task)
     attention = attention_from_command_line(OmegaConf.to_container(cfg.attention, resolve=True))
+    try:
+        refuse_unread_top_keys(cfg, "evaluate")
+    except ConfigError as err:
+        say(f"error: {err}")
+        sys.exit(2)
     if cfg.model.hf:
         try:
             refuse_context_given(HydraConfig.get().overrides.task, "eval.max_length=<tokens> sets the context scored")

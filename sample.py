@@ -17,7 +17,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def check_sample_config(cfg: DictConfig) -> None:
     from model.config import ConfigError, _is_int, _is_number
+    from tools.config_hints import refuse_unread_top_keys
 
+    refuse_unread_top_keys(cfg, "sample")
     if not cfg.ckpt:
         raise ConfigError("ckpt", cfg.ckpt, "give ckpt=<run dir, .ckpt or weights .pt file>")
     for key in ("num_samples", "max_new_tokens"):

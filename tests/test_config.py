@@ -450,3 +450,38 @@ def test_the_log_line_names_the_window_and_backend_only_where_they_apply():
         "attention=full (the dense reference, backend=naive)"
     assert AttentionConfig(kind="moba", window=32).describe() == "attention=moba window=32"  # its own PyTorch code
     assert AttentionConfig(kind="sa", window=32, backend="torch").describe() == "attention=sa window=32 backend=torch"
+
+
+def test_a_key_added_at_the_top_that_nothing_reads_is_refused(tmp_path, corpus_file):
+    """Hydra answers `max_steps=100` with "use +max_steps=100", which adds a top-level key nothing reads: the run
+    went on for the default number of steps. Refused, with the key it meant; a preset's own top-level keys and an
+    added key an interpolation reads are kept."""
+    import subprocess
+    import sys
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tools.config_hints import declared_top_keys, refuse_unread_top_keys
+
+    for added, meant in (("+max_steps=100", "did you mean trainer.max_steps\\?"), ("+lr=1e-3", "optim.lr"),
+                         ("++seeds=3", "did you mean seed\\?"), ("+zzz=1", "the keys at the top: attention, ")):
+        with pytest.raises(ConfigError, match=f"{added.lstrip('+').partition('=')[0]}=.*nothing reads.*{meant}"):
+            check_config(compose_train(TINY + [added], tmp_path, corpus_file))
+    read = compose_train(TINY + ["+tokens=4096", "trainer.max_steps='${steps:${tokens},1024}'"], tmp_path, corpus_file)
+    check_config(read)
+    assert read.trainer.max_steps == 4
+    assert "train_tokens" in declared_top_keys("train") and "ckpt" in declared_top_keys("evaluate")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        preset = compose(config_name="train", overrides=["experiment=paper_360m", "trainer.max_steps=3"])
+        refuse_unread_top_keys(preset, "train")  # train_tokens, no longer read, is the preset's own
+        sample = compose(config_name="sample", overrides=["ckpt=x", "+temperatur=0"])
+    GlobalHydra.instance().clear()
+    with pytest.raises(ConfigError, match="did you mean temperature\\?"):
+        refuse_unread_top_keys(sample, "sample")
+    # the entry points: each refuses before any work, exit 2
+    for script, args in (("evaluate.py", ["ckpt=x", "+num_seeds=3"]), ("sample.py", ["ckpt=x", "+temp=0"])):
+        proc = subprocess.run([sys.executable, str(ROOT / script), *args, f"hydra.run.dir={tmp_path / 'out'}"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "nothing reads" in proc.stderr, (script, proc.stderr[-2000:])

@@ -1243,7 +1243,7 @@ def test_a_bare_resume_continues_the_run_with_its_own_overrides(tmp_path, corpus
                     cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     with open(run / "overrides.yaml", "a") as f:  # recorded before keys nothing reads were refused: it ran without
-        f.write("- +optim.warmup=3\n")
+        f.write("- +optim.warmup=3\n- +max_steps=9\n")
     again = run_cli([f"hydra.run.dir={run}", "resume=auto", "trainer.max_steps=4"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resume: the run's own overrides (" in again.stderr
@@ -1254,7 +1254,8 @@ def test_a_bare_resume_continues_the_run_with_its_own_overrides(tmp_path, corpus
     assert saved["global_step"] == 4 and saved["hyper_parameters"]["attention"]["kind"] == "sa"
     recorded = (run / "overrides.yaml").read_text()
     assert "attention=sa" in recorded and "trainer.max_steps=4" in recorded and "max_steps=2" not in recorded
-    assert "+optim.warmup=3" not in recorded
+    assert "resume: left out +max_steps=9 of the run's own overrides: nothing reads max_steps" in again.stderr
+    assert "+optim.warmup=3" not in recorded and "+max_steps=9" not in recorded
     assert "resume" not in recorded
     # a resume the checkpoint refuses (at load time) leaves the run's record as it was
     config = (run / "config.yaml").read_text()

@@ -5,7 +5,8 @@ adds the typo as a new key. The entry points run their Hydra main through `run_w
 an error, the config is composed again with the command line's group choices only (`attention=sa`,
 `experiment=...`) and every dotted key the command line sets that the config lacks is named with its closest keys.
 A launch that works pays nothing. A key added with `+` where nothing reads one (`+trainer.gradient_clip_val=1`,
-Lightning's name for optim.grad_clip) is refused by `refuse_unread_keys`, which train.py and evaluate.py call.
+Lightning's name for optim.grad_clip) is refused by `refuse_unread_keys`, which train.py and evaluate.py call, and
+one added at the top (`+max_steps=100`) by `refuse_unread_top_keys`, which every entry point calls.
 """
 
 from __future__ import annotations
@@ -151,6 +152,63 @@ def refuse_unread_keys(cfg) -> None:
             raise ConfigError(full, node._get_node(key)._value(), "a key nothing reads: it would be ignored "
                               f"(remove the +{full}=...)" + (f"; did you mean {close}?" if close else
                                                                f"; the keys of {section}: {', '.join(read)}"))
+
+
+def declared_top_keys(config_name: str) -> set[str]:
+    """The top-level keys conf/<config_name>.yaml can hold: its own, its groups', and those a global-package file of
+    one of its groups sets (experiment=paper_360m's train_tokens)."""
+    from omegaconf import OmegaConf
+
+    root = OmegaConf.load(CONF / f"{config_name}.yaml")
+    keys = {str(k) for k in root if k not in ("defaults", "hydra")}
+    for entry in root.get("defaults") or []:
+        group = next(iter(entry)) if not isinstance(entry, str) else ""
+        if not group or " " in group or "/" in group:  # _self_, an override of Hydra's own groups
+            continue
+        keys.add(group)
+        for path in sorted((CONF / group).glob("*.yaml")) if (CONF / group).is_dir() else []:
+            if path.read_text().startswith("# @package _global_"):
+                keys |= {str(k) for k in OmegaConf.load(path) if k not in ("defaults", "hydra")}
+    return keys
+
+
+def _interpolated(key: str, text: str) -> bool:
+    """Whether `text` (a config's YAML, or overrides) reads the top-level `key` through an interpolation."""
+    import re
+
+    return re.search(r"\$\{(oc\.select:)?" + re.escape(key) + r"[}.\[,]", text) is not None
+
+
+def unread_top_key(key: str, overrides: list[str]) -> bool:
+    """Whether refuse_unread_top_keys would refuse a top-level key train.py's `overrides` add: for a resume, whose
+    run recorded it before such keys were refused."""
+    return "." not in key and key not in declared_top_keys("train") and \
+        not any(_interpolated(key, o) for o in overrides)
+
+
+def refuse_unread_top_keys(cfg, config_name: str) -> None:
+    """Raise ConfigError for a top-level key added with `+` (Hydra's advice for `max_steps=100`) that the config does
+    not declare and no interpolation reads (`+tokens=2e9` for `trainer.max_steps='${steps:${tokens},...}'` is read):
+    the run would go on without it."""
+    from omegaconf import OmegaConf
+
+    from model.config import ConfigError
+
+    declared = declared_top_keys(config_name)
+    added = [str(k) for k in cfg.keys() if str(k) not in declared]
+    if not added:
+        return
+    text = OmegaConf.to_yaml(cfg, resolve=False)
+    known = [k for k in _all_keys(cfg) if k.partition(".")[0] not in added]
+    for key in added:
+        if _interpolated(key, text):
+            continue
+        leaves = difflib.get_close_matches(key, {k.rpartition(".")[2] for k in known}, n=2, cutoff=0.75)
+        close = [k for k in known if k.rpartition(".")[2] in leaves][:3]  # max_steps: trainer.max_steps
+        guess = f"did you mean {' or '.join(close)}?" if close else \
+            f"the keys at the top: {', '.join(sorted(k for k in known if '.' not in k))}"
+        raise ConfigError(key, cfg._get_node(key)._value(), f"a key nothing reads: it would be ignored (remove the "
+                          f"+{key}=...); {guess}")
 
 
 def run_with_key_hints(main, config_name: str):

@@ -302,13 +302,15 @@ def with_run_overrides(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     own = own_checkpoint(resume_checkpoint(cfg, run_dir / "checkpoints"), run_dir / "checkpoints")
     if not (cfg.resume == "auto" or own) or not (run_dir / RUN_OVERRIDES).is_file():
         return cfg, today  # resume=auto before the run's first checkpoint continues it as it was started too
-    from tools.config_hints import unread_key
+    from tools.config_hints import unread_key, unread_top_key
 
     given = dict(override_key(o) for o in today)
+    recorded = OmegaConf.to_container(OmegaConf.load(run_dir / RUN_OVERRIDES))
     earlier = []
-    for override in OmegaConf.to_container(OmegaConf.load(run_dir / RUN_OVERRIDES)):
+    for override in recorded:
         key, prefix = override_key(override)
-        if prefix in ("+", "++") and unread_key(key):  # recorded before such keys were refused: a requeued job goes on
+        # recorded before such keys were refused: a requeued job goes on
+        if prefix in ("+", "++") and (unread_key(key) or unread_top_key(key, recorded + today)):
             say(f"resume: left out {override} of the run's own overrides: nothing reads {key} (the run ignored it)")
             continue
         # an addition (+key=..., ++key=...) stays when today's sets or deletes the key: that needs it added first
