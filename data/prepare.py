@@ -182,10 +182,24 @@ def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
             # without a lock (or one local to a node), a builder that finished first removed the validation parts
             # this one resumed through: its folder holds the same tokens
             if not (root / "meta.json").is_file():
+                _remove_if_empty(root)
                 raise
             for leftover in [root / PROGRESS, *root.glob("val_part_*.bin")]:  # what this one wrote after the other
                 leftover.unlink(missing_ok=True)  # finished: no builder reads them once meta.json is there
             return _cached(cfg, root)
+        except BaseException:
+            _remove_if_empty(root)
+            raise
+
+
+def _remove_if_empty(root: Path) -> None:
+    """A preparation that stopped before writing anything (an unreadable file, an interrupt) leaves no empty cache
+    folder; one with progress keeps it, for the next start to resume from. (The lock file stays: removing a lock
+    another process may be waiting on would let two builders in.)"""
+    try:
+        root.rmdir()
+    except OSError:  # not empty, or not there
+        pass
 
 
 # TOKENIZERS_PARALLELISM as the process started: set afterwards, it is ours (below, or train.py's), not the user's

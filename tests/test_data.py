@@ -293,6 +293,10 @@ def test_a_file_the_loaders_cannot_read_is_named(tmp_path, streaming):
     (tmp_path / "e.txt.gz").write_bytes(gzip.compress(b"a whole document " * 50)[:40])
     with pytest.raises(DataSourceError, match="e.txt.gz.*complete"):
         list(file_documents([str(tmp_path / "e.txt.gz")], streaming=streaming))
+    # through prepare: the error, and no empty cache folder of a preparation that wrote nothing
+    with pytest.raises(DataSourceError, match="d.jsonl"):
+        prepare(data_cfg([tmp_path / "d.jsonl"]), tmp_path / "prep", progress=False)
+    assert [p.name for p in (tmp_path / "prep").iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_a_glob_takes_files_only(tmp_path):
