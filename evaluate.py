@@ -74,7 +74,11 @@ def main(cfg: DictConfig):
         return _evaluate(cfg)
     except SystemExit as stop:
         if stop.code == 2 and new_folder:  # refused before it scored anything
-            remove_refused_launch(out_dir, "evaluate.log")
+            # and the eval/ folder it leaves empty (runs/eval/ and runs/ for a missing checkpoint)
+            eval_dir = Path(os.path.abspath(out_dir)).parent
+            within = None if eval_dir.name != "eval" else \
+                eval_dir.parent if eval_dir.parent == Path(os.getcwd(), "runs") else eval_dir
+            remove_refused_launch(out_dir, "evaluate.log", within=within)
         raise
 
 
@@ -89,7 +93,7 @@ def _evaluate(cfg: DictConfig):
     from kernels.cpu_malloc import keep_freed_memory
     from model.checkpoint import CheckpointError
     from model.config import ConfigError
-    from tools.config_hints import refuse_unread_top_keys
+    from tools.config_hints import refuse_unread_top_keys_of_launch
 
     keep_freed_memory()
 
@@ -100,7 +104,7 @@ def _evaluate(cfg: DictConfig):
     given = attention_given(HydraConfig.get().overrides.task)
     attention = attention_from_command_line(OmegaConf.to_container(cfg.attention, resolve=True))
     try:
-        refuse_unread_top_keys(cfg, "evaluate")
+        refuse_unread_top_keys_of_launch(cfg, "evaluate")
     except ConfigError as err:
         say(f"error: {err}")
         sys.exit(2)

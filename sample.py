@@ -17,9 +17,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def check_sample_config(cfg: DictConfig) -> None:
     from model.config import ConfigError, _is_int, _is_number
-    from tools.config_hints import refuse_unread_top_keys
-
-    refuse_unread_top_keys(cfg, "sample")
     if not cfg.ckpt:
         raise ConfigError("ckpt", cfg.ckpt, "give ckpt=<run dir, .ckpt or weights .pt file>")
     for key in ("num_samples", "max_new_tokens"):
@@ -105,8 +102,10 @@ def main(cfg: DictConfig):
 
     from model.checkpoint import CheckpointError
     from model.config import ConfigError, attention_given, refuse_context_given
+    from tools.config_hints import refuse_unread_top_keys_of_launch
 
     try:
+        refuse_unread_top_keys_of_launch(cfg, "sample")
         refuse_context_given(HydraConfig.get().overrides.task, "the sampler conditions on the last that many tokens")
         texts = sample(cfg, attention_given(HydraConfig.get().overrides.task))
     except (ConfigError, FileNotFoundError, CheckpointError) as err:

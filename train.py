@@ -366,17 +366,19 @@ def main(cfg: DictConfig):
         for handler in list(logging.getLogger("lightning").handlers):
             logging.getLogger("lightning").removeHandler(handler)
 
+    from tools.config_hints import refuse_unread_top_keys_of_launch
     from tools.runlog import only_launch_files, remove_refused_launch
 
     run_dir = Path(cfg.paths.run_dir)
     new_folder = only_launch_files(run_dir, "train.log", log_empty=True)
     try:
         cfg, overrides = with_run_overrides(cfg)
+        refuse_unread_top_keys_of_launch(cfg, "train", overrides)
         metrics = train(cfg, overrides)
     except (ConfigError, DataSourceError, CheckpointError) as err:
         say(f"error: {err}")
         if new_folder:
-            remove_refused_launch(run_dir, "train.log")
+            remove_refused_launch(run_dir, "train.log", within=cfg.paths.log_dir)
         sys.exit(2)
     except SIGTERMException:
         # Lightning stops on SIGTERM (scancel, preemption) with a SystemExit of code 0: a sweep went on as if the

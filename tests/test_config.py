@@ -319,6 +319,7 @@ def test_every_train_command_in_the_readme_composes(tmp_path):
 
 
 def test_a_refused_launch_leaves_no_run_folder_and_keeps_one_with_a_record(tmp_path):
+    import shutil
     import subprocess
     import sys
 
@@ -345,9 +346,32 @@ def test_a_refused_launch_leaves_no_run_folder_and_keeps_one_with_a_record(tmp_p
     (here / "runs" / "train" / "earlier").mkdir(parents=True)
     assert launch(cwd=here).returncode == 2
     assert [p.name for p in (here / "runs" / "train").iterdir()] == ["earlier"]
-    # a run folder outside the launch directory goes, and its parent, there before, stays
+    # a run folder outside the launch directory goes, and its parent, there before, stays; so does an empty folder
+    # of the user's that holds the run folder (it is not under runs/)
     assert launch(f"hydra.run.dir={tmp_path / 'elsewhere' / 'run'}", cwd=here).returncode == 2
     assert (tmp_path / "elsewhere").is_dir() and not list((tmp_path / "elsewhere").iterdir())
+    (here / "mine").mkdir()
+    assert launch("hydra.run.dir=mine/run", cwd=here).returncode == 2
+    assert (here / "mine").is_dir() and not list((here / "mine").iterdir())
+    # links to other storage: a linked runs/ and a linked run folder stay, and so do their targets
+    store, scratch = tmp_path / "store", tmp_path / "scratch"
+    (store / "runs").mkdir(parents=True)
+    (scratch / "run1").mkdir(parents=True)
+    shutil.rmtree(here / "runs")
+    (here / "runs").symlink_to(store / "runs")
+    assert launch(cwd=here).returncode == 2
+    assert (here / "runs").is_symlink() and (store / "runs").is_dir() and not list((store / "runs").iterdir())
+    (store / "runs" / "train").mkdir()
+    (store / "runs" / "train" / "run1").symlink_to(scratch / "run1")
+    for _ in range(2):  # the second finds the link as the first left it
+        assert launch("hydra.run.dir=runs/train/run1", cwd=here).returncode == 2
+        assert (scratch / "run1").is_dir() and not list((scratch / "run1").iterdir())
+    # evaluate.py of a missing checkpoint: its runs/eval/<suite>-<time>, and the runs/eval/ and runs/ that leaves
+    evaluated = tmp_path / "evaluated"
+    evaluated.mkdir()
+    proc = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "ckpt=missing"], cwd=evaluated,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no checkpoint" in proc.stderr and not list(evaluated.iterdir())
 
 
 def test_a_misspelled_key_on_the_command_line_gets_a_did_you_mean():
@@ -454,34 +478,41 @@ def test_the_log_line_names_the_window_and_backend_only_where_they_apply():
 
 def test_a_key_added_at_the_top_that_nothing_reads_is_refused(tmp_path, corpus_file):
     """Hydra answers `max_steps=100` with "use +max_steps=100", which adds a top-level key nothing reads: the run
-    went on for the default number of steps. Refused, with the key it meant; a preset's own top-level keys and an
-    added key an interpolation reads are kept."""
+    went on for the default number of steps. Refused, with the key it meant; a key the chosen preset sets, and an
+    added key an interpolation reads (in any spelling, or in a Hydra setting) are kept."""
     import subprocess
     import sys
 
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     from tools.config_hints import declared_top_keys, refuse_unread_top_keys
 
+    def check(overrides, hydra=()):
+        refuse_unread_top_keys(compose_train(TINY + overrides, tmp_path, corpus_file), "train", TINY + overrides,
+                               list(hydra))
+
     for added, meant in (("+max_steps=100", "did you mean trainer.max_steps\\?"), ("+lr=1e-3", "optim.lr"),
-                         ("++seeds=3", "did you mean seed\\?"), ("+zzz=1", "the keys at the top: attention, ")):
+                         ("++seeds=3", "did you mean seed\\?"), ("+zzz=1", "the keys at the top: attention, "),
+                         ("+train_tokens=4000000", "the keys at the top"),  # the key of a preset not chosen
+                         ):
         with pytest.raises(ConfigError, match=f"{added.lstrip('+').partition('=')[0]}=.*nothing reads.*{meant}"):
-            check_config(compose_train(TINY + [added], tmp_path, corpus_file))
-    read = compose_train(TINY + ["+tokens=4096", "trainer.max_steps='${steps:${tokens},1024}'"], tmp_path, corpus_file)
-    check_config(read)
-    assert read.trainer.max_steps == 4
-    assert "train_tokens" in declared_top_keys("train") and "ckpt" in declared_top_keys("evaluate")
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        preset = compose(config_name="train", overrides=["experiment=paper_360m", "trainer.max_steps=3"])
-        refuse_unread_top_keys(preset, "train")  # train_tokens, no longer read, is the preset's own
-        sample = compose(config_name="sample", overrides=["ckpt=x", "+temperatur=0"])
-    GlobalHydra.instance().clear()
-    with pytest.raises(ConfigError, match="did you mean temperature\\?"):
-        refuse_unread_top_keys(sample, "sample")
-    # the entry points: each refuses before any work, exit 2
-    for script, args in (("evaluate.py", ["ckpt=x", "+num_seeds=3"]), ("sample.py", ["ckpt=x", "+temp=0"])):
+            check([added])
+    for reads in ("'${steps:${tokens},1024}'", "'${steps:${oc.select: tokens,4096},1024}'",
+                  "'${steps:${oc.select:\"tokens\",4096},1024}'"):
+        check(["+tokens=4096", f"trainer.max_steps={reads}"])
+    check(["+tokens=4096", "data.max_tokens='${..tokens}'"])
+    with pytest.raises(ConfigError, match="tag='foo'"):
+        check(["+tag=foo"], ["hydra.run.dir=runs/x"])
+    check(["+tag=foo"], ["hydra.run.dir=runs/${tag}"])
+    check(["experiment=paper_360m", "trainer.max_steps=3"])  # train_tokens, no longer read, is the preset's own
+    check(["experiment=paper_360m", "++train_tokens=4000000"])
+    assert "train_tokens" not in declared_top_keys("train") and "ckpt" in declared_top_keys("evaluate")
+    assert {"train_tokens", "task_name"} <= declared_top_keys("train", ["experiment=paper_360m"])
+    # the entry points: each refuses before any work, exit 2, and takes a key its command line interpolates
+    for script, args in (("evaluate.py", ["ckpt=x", "+num_seeds=3"]), ("sample.py", ["ckpt=x", "+temp=0"]),
+                         ("train.py", ["model=tiny", "+max_steps=3"])):
         proc = subprocess.run([sys.executable, str(ROOT / script), *args, f"hydra.run.dir={tmp_path / 'out'}"],
                               cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "nothing reads" in proc.stderr, (script, proc.stderr[-2000:])
+    proc = subprocess.run([sys.executable, str(ROOT / "sample.py"), "ckpt=x", "+tag=a",
+                           f"hydra.run.dir={tmp_path / 'out'}" + "/${tag}"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "no checkpoint" in proc.stderr and "nothing reads" not in proc.stderr

@@ -1243,7 +1243,7 @@ def test_a_bare_resume_continues_the_run_with_its_own_overrides(tmp_path, corpus
                     cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     with open(run / "overrides.yaml", "a") as f:  # recorded before keys nothing reads were refused: it ran without
-        f.write("- +optim.warmup=3\n- +max_steps=9\n")
+        f.write("- +optim.warmup=3\n- +max_steps=9\n- +tokens=64\n- trainer.max_steps='${steps:${tokens},16}'\n")
     again = run_cli([f"hydra.run.dir={run}", "resume=auto", "trainer.max_steps=4"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resume: the run's own overrides (" in again.stderr
@@ -1255,6 +1255,8 @@ def test_a_bare_resume_continues_the_run_with_its_own_overrides(tmp_path, corpus
     recorded = (run / "overrides.yaml").read_text()
     assert "attention=sa" in recorded and "trainer.max_steps=4" in recorded and "max_steps=2" not in recorded
     assert "resume: left out +max_steps=9 of the run's own overrides: nothing reads max_steps" in again.stderr
+    # today's trainer.max_steps replaces the one that read +tokens: left out too, not refused as today's mistake
+    assert "resume: left out +tokens=64 of the run's own overrides: nothing reads tokens" in again.stderr
     assert "+optim.warmup=3" not in recorded and "+max_steps=9" not in recorded
     assert "resume" not in recorded
     # a resume the checkpoint refuses (at load time) leaves the run's record as it was

@@ -154,61 +154,109 @@ def refuse_unread_keys(cfg) -> None:
                                                                f"; the keys of {section}: {', '.join(read)}"))
 
 
-def declared_top_keys(config_name: str) -> set[str]:
-    """The top-level keys conf/<config_name>.yaml can hold: its own, its groups', and those a global-package file of
-    one of its groups sets (experiment=paper_360m's train_tokens)."""
+def _top_additions(overrides: list[str]) -> list[tuple[str, str]]:
+    """(key, override) of each top-level key `overrides` add with + or ++ (not a group choice, not Hydra's own)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    out = []
+    for text in overrides:
+        override = OverridesParser.create().parse_override(text)
+        key = override.key_or_group
+        if override.type in (OverrideType.ADD, OverrideType.FORCE_ADD) and "." not in key and "/" not in key \
+                and key != "hydra" and not (CONF / key).is_dir():
+            out.append((key, text))
+    return out
+
+
+def declared_top_keys(config_name: str, overrides: list[str] = ()) -> set[str]:
+    """The top-level keys conf/<config_name>.yaml composes by itself: its own, its groups', and those the chosen
+    option of a group sets at the top (experiment=paper_360m's train_tokens; the option `overrides` choose, else
+    the default)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
     root = OmegaConf.load(CONF / f"{config_name}.yaml")
+    chosen = {}
+    for override in OverridesParser.create().parse_overrides([o for o in overrides if "=" in o]):
+        if (CONF / override.key_or_group).is_dir() and not override.is_sweep_override():
+            chosen[override.key_or_group] = override.get_value_element_as_str()
     keys = {str(k) for k in root if k not in ("defaults", "hydra")}
     for entry in root.get("defaults") or []:
-        group = next(iter(entry)) if not isinstance(entry, str) else ""
-        if not group or " " in group or "/" in group:  # _self_, an override of Hydra's own groups
+        if isinstance(entry, str):  # _self_
+            continue
+        group, option = next(iter(entry.items()))
+        if " " in group or "/" in group:  # an override of Hydra's own groups
             continue
         keys.add(group)
-        for path in sorted((CONF / group).glob("*.yaml")) if (CONF / group).is_dir() else []:
-            if path.read_text().startswith("# @package _global_"):
-                keys |= {str(k) for k in OmegaConf.load(path) if k not in ("defaults", "hydra")}
+        path = CONF / group / f"{chosen.get(group, option)}.yaml"
+        if path.is_file() and path.read_text().startswith("# @package _global_"):
+            keys |= {str(k) for k in OmegaConf.load(path) if k not in ("defaults", "hydra")}
     return keys
 
 
-def _interpolated(key: str, text: str) -> bool:
-    """Whether `text` (a config's YAML, or overrides) reads the top-level `key` through an interpolation."""
+def _read_by(key: str, values: list[str]) -> bool:
+    """Whether an interpolation among `values` may read the top-level `key`: the key as a word in a value that holds
+    one, in any spelling (${key}, ${..key}, ${oc.select: "key",1}). A nested key of that name counts too: a key
+    wrongly taken for read is left as it was, never refused."""
     import re
 
-    return re.search(r"\$\{(oc\.select:)?" + re.escape(key) + r"[}.\[,]", text) is not None
+    word = re.compile(r"(?<!\w)" + re.escape(key) + r"(?!\w)")
+    return any("${" in value and word.search(value) for value in values)
+
+
+def _interpolating_values(node) -> list[str]:
+    if isinstance(node, dict):
+        return [v for child in node.values() for v in _interpolating_values(child)]
+    if isinstance(node, list):
+        return [v for child in node for v in _interpolating_values(child)]
+    return [node] if isinstance(node, str) and "${" in node else []
+
+
+def _override_values(overrides: list[str]) -> list[str]:
+    return [o.partition("=")[2] for o in overrides]
 
 
 def unread_top_key(key: str, overrides: list[str]) -> bool:
-    """Whether refuse_unread_top_keys would refuse a top-level key train.py's `overrides` add: for a resume, whose
-    run recorded it before such keys were refused."""
-    return "." not in key and key not in declared_top_keys("train") and \
-        not any(_interpolated(key, o) for o in overrides)
+    """Whether a top-level key added by train.py's `overrides` is neither composed by the config nor read by any of
+    them: for a resume, whose run recorded such a key before they were refused."""
+    return key not in declared_top_keys("train", overrides) and not _read_by(key, _override_values(overrides))
 
 
-def refuse_unread_top_keys(cfg, config_name: str) -> None:
-    """Raise ConfigError for a top-level key added with `+` (Hydra's advice for `max_steps=100`) that the config does
-    not declare and no interpolation reads (`+tokens=2e9` for `trainer.max_steps='${steps:${tokens},...}'` is read):
-    the run would go on without it."""
+def refuse_unread_top_keys(cfg, config_name: str, overrides: list[str], hydra_overrides: list[str] = ()) -> None:
+    """Raise ConfigError for a top-level key that `overrides` (the command line's) add with `+` (Hydra's advice for
+    `max_steps=100`) when the config does not compose it and no interpolation reads it (`+tokens=2e9` for
+    `trainer.max_steps='${steps:${tokens},...}'`, or in a hydra.run.dir, is read): the run would go on without it."""
     from omegaconf import OmegaConf
 
     from model.config import ConfigError
 
-    declared = declared_top_keys(config_name)
-    added = [str(k) for k in cfg.keys() if str(k) not in declared]
+    declared = declared_top_keys(config_name, overrides)
+    added = [key for key, _ in _top_additions(overrides) if key not in declared]
     if not added:
         return
-    text = OmegaConf.to_yaml(cfg, resolve=False)
+    values = _interpolating_values(OmegaConf.to_container(cfg, resolve=False)) + \
+        _override_values([*overrides, *hydra_overrides])
     known = [k for k in _all_keys(cfg) if k.partition(".")[0] not in added]
     for key in added:
-        if _interpolated(key, text):
+        if _read_by(key, values):
             continue
         leaves = difflib.get_close_matches(key, {k.rpartition(".")[2] for k in known}, n=2, cutoff=0.75)
         close = [k for k in known if k.rpartition(".")[2] in leaves][:3]  # max_steps: trainer.max_steps
         guess = f"did you mean {' or '.join(close)}?" if close else \
             f"the keys at the top: {', '.join(sorted(k for k in known if '.' not in k))}"
-        raise ConfigError(key, cfg._get_node(key)._value(), f"a key nothing reads: it would be ignored (remove the "
+        raise ConfigError(key, OmegaConf.select(cfg, key), f"a key nothing reads: it would be ignored (remove the "
                           f"+{key}=...); {guess}")
+
+
+def refuse_unread_top_keys_of_launch(cfg, config_name: str, overrides: list[str] | None = None) -> None:
+    """refuse_unread_top_keys for a running Hydra job: its command line's overrides (or `overrides`, a resume's).
+    Hydra's own settings are read from the command line as typed (Hydra keeps them resolved)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    typed = [a for a in sys.argv[1:] if a.startswith(("hydra.", "hydra/", "++hydra.", "+hydra."))]
+    refuse_unread_top_keys(cfg, config_name, list(HydraConfig.get().overrides.task) if overrides is None else
+                           overrides, typed)
 
 
 def run_with_key_hints(main, config_name: str):

@@ -309,14 +309,15 @@ def with_run_overrides(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     earlier = []
     for override in recorded:
         key, prefix = override_key(override)
-        # recorded before such keys were refused: a requeued job goes on
-        if prefix in ("+", "++") and (unread_key(key) or unread_top_key(key, recorded + today)):
-            say(f"resume: left out {override} of the run's own overrides: nothing reads {key} (the run ignored it)")
-            continue
         # an addition (+key=..., ++key=...) stays when today's sets or deletes the key: that needs it added first
         carried = key not in NOT_CARRIED and not (key == "init_from" and cfg.ckpt_path)
         if carried and (key not in given or (prefix in ("+", "++") and given[key] in ("", "~"))):
             earlier.append(override)
+    for override in list(earlier):  # recorded before such keys were refused: a requeued job goes on
+        key, prefix = override_key(override)
+        if prefix in ("+", "++") and (unread_key(key) or "." not in key and unread_top_key(key, earlier + today)):
+            say(f"resume: left out {override} of the run's own overrides: nothing reads {key} (the run ignored it)")
+            earlier.remove(override)
     if not earlier:
         return cfg, today
     merged = earlier + today

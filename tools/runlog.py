@@ -41,9 +41,10 @@ def only_launch_files(run_dir, log_name: str, log_empty: bool = False) -> bool:
         entry.name in (".hydra", log_name) for entry in run_dir.iterdir())
 
 
-def remove_refused_launch(run_dir, log_name: str) -> None:
+def remove_refused_launch(run_dir, log_name: str, within=None) -> None:
     """Remove the output folder of a launch refused before it ran (when it holds no more than the launch wrote):
-    no folder of a run that never was. The error was on stderr."""
+    no folder of a run that never was. The error was on stderr. Then the folders that leaves empty up to `within`
+    (runs/ of train.py: its runs/train/ after a first launch), which stays unless empty too."""
     import os
     import shutil
     from pathlib import Path
@@ -56,20 +57,17 @@ def remove_refused_launch(run_dir, log_name: str) -> None:
     # scheduler's job folder) is the launch directory, or someone's, and stays
     shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
     (run_dir / log_name).unlink(missing_ok=True)
-    here = Path(os.getcwd()).resolve()
-    folder = run_dir.resolve()
-    if folder == here or folder in here.parents:
-        return
-    # then the parents that leaves empty below the launch directory (runs/train/ of a first launch there); folders
-    # outside it were there before, or are someone's
-    while True:
+    # the paths as written, not resolved: rmdir refuses a link (a run folder or runs/ that points to other storage)
+    here = Path(os.getcwd())
+    folder = Path(os.path.abspath(run_dir))
+    top = Path(os.path.abspath(within)) if within is not None else folder
+    first = True
+    while folder != here and folder not in here.parents and (first or folder == top or top in folder.parents):
         try:
             folder.rmdir()
-        except OSError:  # not empty after all: another run's, or what this launch could not remove
+        except OSError:  # not empty after all, or a link
             return
-        folder = folder.parent
-        if here not in folder.parents:
-            return
+        folder, first = folder.parent, False
 
 
 def say(text: str) -> None:

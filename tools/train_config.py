@@ -38,10 +38,9 @@ def check_config(cfg: DictConfig):
     if missing:  # a preset's required value (???) left unset: name it, not the error reading '???' causes later
         raise ConfigError(missing[0], "???", f"a value the chosen preset requires; give it on the command line: "
                           f"{missing[0]}=<value>")
-    from tools.config_hints import refuse_unread_keys, refuse_unread_top_keys
+    from tools.config_hints import refuse_unread_keys
 
     refuse_unread_keys(cfg)
-    refuse_unread_top_keys(cfg, "train")
     _as_whole_numbers(cfg)
     model_cfg = from_mapping(ModelConfig, cfg.model, "model")
     attn_cfg = from_mapping(AttentionConfig, cfg.attention, "attention")
