@@ -74,11 +74,9 @@ def main(cfg: DictConfig):
         return _evaluate(cfg)
     except SystemExit as stop:
         if stop.code == 2 and new_folder:  # refused before it scored anything
-            # and the eval/ folder it leaves empty (runs/eval/ and runs/ for a missing checkpoint)
-            eval_dir = Path(os.path.abspath(out_dir)).parent
-            within = None if eval_dir.name != "eval" else \
-                eval_dir.parent if eval_dir.parent == Path(os.getcwd(), "runs") else eval_dir
-            remove_refused_launch(out_dir, "evaluate.log", within=within)
+            # and runs/eval/ if that leaves it empty (the folder of a missing checkpoint's evaluations)
+            runs = Path(os.getcwd(), "runs")
+            remove_refused_launch(out_dir, "evaluate.log", within=runs if runs / "eval" in out_dir.parents else None)
         raise
 
 

@@ -339,10 +339,10 @@ def test_a_refused_launch_leaves_no_run_folder_and_keeps_one_with_a_record(tmp_p
     here.mkdir()
     assert launch("hydra.run.dir=.", cwd=here).returncode == 2
     assert here.is_dir() and not list(here.iterdir())
-    # the default run folder (runs/train/<date>_<kind>) of a first launch here: no empty runs/train/ is left either,
-    # while a folder that holds another run keeps it
+    # the default run folder (runs/train/<date>_<kind>) of a first launch here: no empty runs/train/ is left either
+    # (runs/, paths.log_dir, stays: it may be the user's), while a folder that holds another run keeps it
     assert launch(cwd=here).returncode == 2
-    assert not list(here.iterdir())
+    assert [p.name for p in here.iterdir()] == ["runs"] and not list((here / "runs").iterdir())
     (here / "runs" / "train" / "earlier").mkdir(parents=True)
     assert launch(cwd=here).returncode == 2
     assert [p.name for p in (here / "runs" / "train").iterdir()] == ["earlier"]
@@ -357,6 +357,10 @@ def test_a_refused_launch_leaves_no_run_folder_and_keeps_one_with_a_record(tmp_p
     store, scratch = tmp_path / "store", tmp_path / "scratch"
     (store / "runs").mkdir(parents=True)
     (scratch / "run1").mkdir(parents=True)
+    logs = tmp_path / "logs"  # a log folder made beforehand, empty
+    logs.mkdir()
+    assert launch(f"paths.log_dir={logs}", cwd=here).returncode == 2
+    assert logs.is_dir() and not list(logs.iterdir())
     shutil.rmtree(here / "runs")
     (here / "runs").symlink_to(store / "runs")
     assert launch(cwd=here).returncode == 2
@@ -371,7 +375,8 @@ def test_a_refused_launch_leaves_no_run_folder_and_keeps_one_with_a_record(tmp_p
     evaluated.mkdir()
     proc = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "ckpt=missing"], cwd=evaluated,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "no checkpoint" in proc.stderr and not list(evaluated.iterdir())
+    assert proc.returncode == 2 and "no checkpoint" in proc.stderr
+    assert [p.name for p in evaluated.iterdir()] == ["runs"] and not list((evaluated / "runs").iterdir())
 
 
 def test_a_misspelled_key_on_the_command_line_gets_a_did_you_mean():

@@ -43,8 +43,9 @@ def only_launch_files(run_dir, log_name: str, log_empty: bool = False) -> bool:
 
 def remove_refused_launch(run_dir, log_name: str, within=None) -> None:
     """Remove the output folder of a launch refused before it ran (when it holds no more than the launch wrote):
-    no folder of a run that never was. The error was on stderr. Then the folders that leaves empty up to `within`
-    (runs/ of train.py: its runs/train/ after a first launch), which stays unless empty too."""
+    no folder of a run that never was. The error was on stderr. Then the folders that leaves empty below `within`
+    (runs/ of train.py: its runs/train/ after a first launch); `within` stays, as do the launch directory and its
+    parents."""
     import os
     import shutil
     from pathlib import Path
@@ -57,12 +58,15 @@ def remove_refused_launch(run_dir, log_name: str, within=None) -> None:
     # scheduler's job folder) is the launch directory, or someone's, and stays
     shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
     (run_dir / log_name).unlink(missing_ok=True)
-    # the paths as written, not resolved: rmdir refuses a link (a run folder or runs/ that points to other storage)
-    here = Path(os.getcwd())
+    # removed as written, not resolved: rmdir refuses a link (a run folder or runs/ that points to other storage);
+    # compared resolved, so that no spelling of the launch directory or of a parent of it is removed
+    here = Path(os.getcwd()).resolve()
     folder = Path(os.path.abspath(run_dir))
-    top = Path(os.path.abspath(within)) if within is not None else folder
+    top = Path(os.path.abspath(within)) if within is not None else None
     first = True
-    while folder != here and folder not in here.parents and (first or folder == top or top in folder.parents):
+    while first or (top is not None and top in folder.parents):
+        if folder.resolve() == here or folder.resolve() in here.parents:
+            return
         try:
             folder.rmdir()
         except OSError:  # not empty after all, or a link
