@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 VARIANTS = ("swa", "sa", "gated_sa_swa")
+DIRECTIONS = ("in", "out", "both")  # in: the attention edges of method.md; out: reversed; both: undirected
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class BandPath:
 
     def offsets(self, direction: str = "in") -> range:
         """slot offsets d that can carry a link in `direction`."""
+        if direction not in DIRECTIONS:  # mask() would link nothing but self, in silence
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         if direction == "in":
             return range(-self.left, self.right + 1)
         if direction == "out":

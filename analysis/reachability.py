@@ -19,9 +19,6 @@ import numpy as np
 
 from analysis.attention_graph import BandPath
 
-DIRECTIONS = ("in", "out", "both")
-
-
 def sample_keys(n: int, count: int | None, seed: int = 0) -> np.ndarray:
     """Sorted key positions: all of them when count is None or >= n, else a uniform sample without replacement."""
     if count is None or count >= n:

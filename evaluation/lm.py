@@ -33,7 +33,6 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 log = logging.getLogger(__name__)
 
-ATTENTION_ARGS = ("kind", "window", "backend", "eval_seed")
 MAX_TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}

@@ -26,6 +26,8 @@ def test_edges_are_the_kernel_mask(kind, n, w):
         ours[q, k] = True
         assert (ours == dense).all()
         assert (reachable_matrix([[path]]) == dense).all()
+    with pytest.raises(ValueError, match="direction must be one of"):  # a typo linked nothing but self, in silence
+        path.offsets("In")
 
 
 def test_permutations_are_the_models():
