@@ -17,6 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def check_sample_config(cfg: DictConfig) -> None:
     from model.config import ConfigError, _is_int, _is_number
+
     if not cfg.ckpt:
         raise ConfigError("ckpt", cfg.ckpt, "give ckpt=<run dir, .ckpt or weights .pt file>")
     for key in ("num_samples", "max_new_tokens"):

@@ -154,8 +154,8 @@ def refuse_unread_keys(cfg) -> None:
                                                                f"; the keys of {section}: {', '.join(read)}"))
 
 
-def _top_additions(overrides: list[str]) -> list[tuple[str, str]]:
-    """(key, override) of each top-level key `overrides` add with + or ++ (not a group choice, not Hydra's own)."""
+def _top_additions(overrides: list[str]) -> list[str]:
+    """The top-level keys `overrides` add with + or ++ (not a group choice, not Hydra's own)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import OverrideType
 
@@ -165,7 +165,7 @@ def _top_additions(overrides: list[str]) -> list[tuple[str, str]]:
         key = override.key_or_group
         if override.type in (OverrideType.ADD, OverrideType.FORCE_ADD) and "." not in key and "/" not in key \
                 and key != "hydra" and not (CONF / key).is_dir():
-            out.append((key, text))
+            out.append(key)
     return out
 
 
@@ -232,7 +232,7 @@ def refuse_unread_top_keys(cfg, config_name: str, overrides: list[str], hydra_ov
     from model.config import ConfigError
 
     declared = declared_top_keys(config_name, overrides)
-    added = [key for key, _ in _top_additions(overrides) if key not in declared]
+    added = [key for key in _top_additions(overrides) if key not in declared]
     if not added:
         return
     values = _interpolating_values(OmegaConf.to_container(cfg, resolve=False)) + \

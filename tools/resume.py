@@ -315,7 +315,7 @@ def with_run_overrides(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
             earlier.append(override)
     for override in list(earlier):  # recorded before such keys were refused: a requeued job goes on
         key, prefix = override_key(override)
-        if prefix in ("+", "++") and (unread_key(key) or "." not in key and unread_top_key(key, earlier + today)):
+        if prefix in ("+", "++") and (unread_key(key) or ("." not in key and unread_top_key(key, earlier + today))):
             say(f"resume: left out {override} of the run's own overrides: nothing reads {key} (the run ignored it)")
             earlier.remove(override)
     if not earlier:
