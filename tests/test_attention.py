@@ -209,11 +209,14 @@ def test_fp16_matches_dense_reference(B, Hq, Hkv, n, D, window, perm_kind, torch
             assert g.abs().max() <= 1e-3, f"d{name}"
 
 
+@pytest.mark.parametrize("n", [150, 160])
 @pytest.mark.parametrize("perm_kind", [None, "shared", "batch"])
-def test_backend_takes_the_models_memory_layout(perm_kind, torch_layout):
+def test_backend_takes_the_models_memory_layout(perm_kind, n, torch_layout):
     """The model's q, k, v (and the gradient arriving at the output) are [B, n, H, D] in memory, seen as [B, H, n, D]:
-    rows of a head lie H x D apart, which the gathers and folds through pi must handle like contiguous heads."""
-    B, Hq, Hkv, n, D, window = 2, 4, 2, 150, 16, 24
+    rows of a head lie H x D apart, which the gathers and folds through pi must handle like contiguous heads.
+    n = 160 is a multiple of the blocked layout's block (16 here): without pi, q then needs neither a gather nor
+    padding and goes to the fused kernel's strided view as it is, which must first make it contiguous."""
+    B, Hq, Hkv, D, window = 2, 4, 2, 16, 24
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(B, n, h, D, generator=g).transpose(1, 2).requires_grad_() for h in (Hq, Hkv, Hkv))
     grad_out = torch.randn(B, n, Hq, D, generator=g).transpose(1, 2)
@@ -224,6 +227,58 @@ def test_backend_takes_the_models_memory_layout(perm_kind, torch_layout):
     assert rel_err(out, ref) <= 1e-5
     for name, got, want in zip("qkv", torch.autograd.grad(out, (q, k, v), grad_out), ref_grads):
         assert rel_err(got, want) <= 1e-5, f"d{name}"
+
+
+@pytest.mark.parametrize("wanted", ["q", "k", "v", "kv"])
+def test_a_gradient_for_some_of_q_k_v_only(wanted, torch_layout):
+    """Frozen queries or keys/values (a probe, an attribution to the queries alone): the inputs that require a
+    gradient get the reference's, the others none. The blocked CPU path has a no-graph inference branch: it may take
+    it only when no input requires a gradient, else the output has no graph at all."""
+    B, H, n, D, window = 2, 2, 90, 16, 9
+    q, k, v = (t.detach() for t in make_qkv(B, H, H, n, D, seed=11))
+    perm = make_perm("batch", B, n, seed=11)
+    inputs = {"q": q, "k": k, "v": v}
+    for name in wanted:
+        inputs[name].requires_grad_()
+    chosen = [inputs[name] for name in wanted]
+    grad_out = torch.randn(B, H, n, D, generator=torch.Generator().manual_seed(12))
+    ref = torch.autograd.grad(dense_reference(q, k, v, window, perm), chosen, grad_out)
+    out = banded_attention(q, k, v, window, perm=perm, backend="torch")
+    assert out.requires_grad
+    for name, got, want in zip(wanted, torch.autograd.grad(out, chosen, grad_out), ref):
+        assert rel_err(got, want) <= 1e-5, f"d{name}"
+
+
+@pytest.mark.parametrize("n,left,right,block", [(37, 0, 0, 16), (37, 3, 0, 16), (50, 2, 5, 16), (20, 1, 1, 8),
+                                                (32, 4, 4, 16)])
+@pytest.mark.parametrize("perm_kind", [None, "shared", "batch"])
+def test_block_masks_are_the_dense_band_mask_cut_into_blocks(n, left, right, block, perm_kind):
+    """The blocked layout's mask slot by slot against band_mask (docs/method.md's rule): in block b, column c is key
+    slot b * block - left + c, and a real query sees exactly the keys the dense mask gives it (pad slots, before 0 or
+    from n on, never). A padded query (slots n.. up to the last block's end, discarded) must see at least one key:
+    an all -inf row is a softmax over nothing, NaN in the kernel's output and log-sum-exp, which a kernel may carry
+    into the gradients of the real keys in its span (with a narrow band, left < the padding, only pad keys are near)."""
+    from kernels.order import storage_positions
+    from kernels.torch_band import _block_masks
+
+    B, span = 2, block + left + right
+    pos = storage_positions(make_perm(perm_kind, B, n, seed=n + left), n, "cpu")
+    nb = -(-n // block)
+    mask = _block_masks(pos, n, left, right, block, nb, torch.float32)
+    Bp = 1 if pos.dim() == 1 else B
+    assert mask.shape == (Bp, nb, 1, block, span)
+    assert bool(((mask == 0) | (mask == float("-inf"))).all())
+    visible = (mask[:, :, 0] == 0).reshape(Bp, nb * block, span)  # row i: query slot i
+    dense = band_mask(pos, left, right).expand(Bp, n, n)
+    for i in range(nb * block):
+        keys = torch.arange(span) + (i // block) * block - left  # the key slot of each column
+        real = (keys >= 0) & (keys < n)
+        if i < n:
+            want = torch.zeros(Bp, span, dtype=torch.bool)
+            want[:, real] = dense[:, i, keys[real]]
+            assert torch.equal(visible[:, i], want), i
+        else:
+            assert bool(visible[:, i].any(-1).all()), f"padded query slot {i} sees no key"
 
 
 def test_identity_permutation_with_causal_band_is_swa(torch_layout):
@@ -511,6 +566,20 @@ def test_permutations_are_seeded_per_layer_step_and_rank():
     assert not torch.equal(e, PermutationSampler(eval_seed=8).sample(0, 50, 2, training=False))
     for p in a:
         assert torch.equal(p.sort().values, torch.arange(50))
+
+
+def test_runs_with_nearby_seeds_steps_or_layers_draw_unrelated_permutations():
+    """pi's generator is keyed by the tuple (seed, step, layer, rank), hashed: a key summed like seed + step would give
+    the run with seed 1 at step s the permutations of the run with seed 0 at step s + 1 (two "independent" seeds
+    replaying one stream, one step apart), and likewise for step and layer, or layer and rank."""
+    def pi(seed=0, step=0, layer=0, rank=0):
+        return PermutationSampler(seed=seed, step=step, rank=rank).sample(layer, 64, 2, training=True)
+
+    draws = [pi(), pi(seed=1), pi(step=1), pi(layer=1), pi(rank=1), pi(seed=1, step=1), pi(step=1, layer=1),
+             pi(layer=1, rank=1), pi(seed=2), pi(step=2), pi(layer=2), pi(rank=2)]
+    for a in range(len(draws)):
+        for b in range(a + 1, len(draws)):
+            assert not torch.equal(draws[a], draws[b]), (a, b)
 
 
 @pytest.mark.parametrize("kind", ["full", "swa", "sa", "gated_sa_swa", "moba"])

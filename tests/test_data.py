@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from data import shards
 from data.datamodule import FixedWindows, TrainWindows
@@ -599,6 +600,53 @@ def test_document_windows_open_where_a_document_begins(tmp_path):
         TrainWindows(paths, 24, 4, 0, 0, 10, start="document")
     with pytest.raises(ValueError, match="window start"):
         TrainWindows(paths, 24, 4, 0, 0, 10, start="middle")
+
+
+def test_document_validation_windows_take_a_start_where_the_last_window_ends(tmp_path):
+    """A validation window opens at the first document start from the last window's final token on: that token is
+    then the next window's first input, as with consecutive windows of start="any". Documents of exactly seq_len
+    tokens (their eos included) thus give one window each; a start at the last window's final token skipped as taken
+    would drop every other document from the validation set."""
+    rng = np.random.default_rng(2)
+    seq_len, eos, n_docs = 8, 0, 12
+    tokens = np.concatenate([np.append(rng.integers(1, 500, seq_len - 1), eos) for _ in range(n_docs)])
+    path = tmp_path / "val.bin"
+    shards.write_shard(path, tokens.astype(np.uint16))
+    val = FixedWindows(path, seq_len=seq_len, max_windows=100, start="document", eos_id=eos)
+    # the last document start with a whole window after it: n_docs - 2 (the final one has only seq_len tokens left)
+    want = [tokens[o : o + seq_len + 1] for o in range(0, (n_docs - 1) * seq_len, seq_len)]
+    assert len(val) == n_docs - 1
+    assert all((row.numpy() == w).all() for row, w in zip(val.windows, want))
+
+
+@pytest.mark.parametrize("rank,world,step,accumulate", [(0, 1, 0, 1), (1, 2, 3, 2), (0, 2, 2, 3)])
+def test_the_training_loader_reads_this_ranks_micro_batches_from_the_trainers_step(tmp_path, rank, world, step,
+                                                                                 accumulate):
+    """TokenDataModule's loader, under a trainer at global step s with accumulation a on rank r of w: micro-batches
+    s * a, s * a + 1, ... of TrainWindows for (rank r, world w), each once; a rank or world read from the wrong
+    attribute (or the step without the accumulation) replays or skips batches, or every rank reads the same ones."""
+    from types import SimpleNamespace
+
+    from data.datamodule import TokenDataModule
+
+    rng = np.random.default_rng(rank * 10 + world)
+    paths = []
+    for s, length in enumerate((700, 300)):
+        paths.append(tmp_path / f"s{s}.bin")
+        shards.write_shard(paths[-1], rng.integers(1, 500, length).astype(np.uint16))
+    total = 12
+    dm = TokenDataModule(paths, paths[0], seq_len=16, batch_size=2, seed=4, total_micro_batches=total)
+    dm.trainer = SimpleNamespace(global_rank=rank, world_size=world, global_step=step,
+                                 accumulate_grad_batches=accumulate)
+    batches = list(dm.train_dataloader())
+    want = TrainWindows(paths, 16, 2, seed=4, rank=rank, length=total, world=world)
+    assert len(batches) == total - step * accumulate
+    for i, batch in enumerate(batches, start=step * accumulate):
+        assert torch.equal(batch, want[i]), i
+    assert not torch.equal(batches[0], batches[1])
+    if world > 1:  # another rank reads other windows
+        other = TrainWindows(paths, 16, 2, seed=4, rank=1 - rank, length=total, world=world)
+        assert not torch.equal(batches[0], other[step * accumulate])
 
 
 def test_existing_tokenizer_is_loaded(tmp_path, corpus_file):

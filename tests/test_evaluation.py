@@ -625,6 +625,62 @@ def test_the_alternative_local_layouts_convert_to_the_same_documents(evaldata, t
     assert got["lambada_standard"] == truth["lambada_standard"]
 
 
+@pytest.mark.parametrize("final_newline", [True, False])
+def test_hellaswag_reads_every_item_whether_or_not_the_file_ends_in_a_newline(tmp_path, final_newline):
+    """The bz2 layout is 6 lines per item; a file without a newline after its last ending still holds that item (a
+    loop bound one line too short drops it, silently scoring one example fewer)."""
+    from evaluation.local_tasks import hellaswag_docs
+
+    truth = make_truth(n=5, seed=3)["hellaswag"]
+    text = "\n".join("\n".join([f"{d['activity_label']}: {d['ctx']}", d["label"], *d["endings"]]) for d in truth)
+    path = tmp_path / "hellaswag.txt.bz2"
+    with bz2.open(path, "wt") as f:
+        f.write(text + ("\n" if final_newline else ""))
+    docs = hellaswag_docs(path)
+    assert [(d["ind"], d["ctx"], d["endings"], d["label"]) for d in docs] == [
+        (d["ind"], d["ctx"], d["endings"], d["label"]) for d in truth]
+
+
+def test_winogrande_blanks_at_the_start_and_options_with_a_common_prefix(tmp_path):
+    """lm-eval scores sentence[:blank] + option, then sentence[blank + 1:]: for every llm-foundry row that must
+    rebuild its two contexts exactly, also where the blank opens the sentence (no space before it to back off to)
+    and where the two options share their first letters."""
+    from evaluation.local_tasks import winogrande_docs
+
+    rows = [{"context_options": ["Jane", "James"], "continuation": "was late again.", "gold": 1},
+            {"context_options": ["The cup broke the table", "The cup broke the tablet"], "continuation": "fell.",
+             "gold": 0},
+            {"context_options": ["Mr. Smith told Mr. Smithers", "Mr. Smith told Mr. Jones"],
+             "continuation": "was wrong.", "gold": 0}]
+    for row, doc in zip(rows, winogrande_docs(rows)):
+        blank = doc["sentence"].index("_")
+        assert [doc["sentence"][:blank] + doc[o] for o in ("option1", "option2")] == row["context_options"]
+        assert doc["sentence"][blank + 1 :].strip() == row["continuation"]
+        assert doc["answer"] == str(row["gold"] + 1)
+
+
+def test_mmlu_without_its_dev_files_refuses_few_shot_and_with_them_allows_it(evaldata, tmp_path):
+    """MMLU's few-shot exemplars come from dev/<subject>_dev.csv: with every dev file there, neither MMLU nor any of
+    its subjects or groups is listed in no_fewshot; a subject whose dev file is gone lists the subject, its tag,
+    the groups holding it and mmlu, and check_fewshot then refuses shots for each of those names."""
+    from evaluation.local_tasks import check_fewshot, write_local_tasks
+    from model.config import ConfigError
+
+    folder = shutil.copytree(evaldata[0], tmp_path / "evaldata")
+    local = write_local_tasks(folder, ["mmlu"], tmp_path / "tasks")
+    assert local.no_fewshot == []
+    check_fewshot(local, ["mmlu", "mmlu_anatomy"], 5, "eval.num_fewshot")
+    (folder / "mmlu" / "dev" / "anatomy_dev.csv").unlink()
+    local = write_local_tasks(folder, ["mmlu"], tmp_path / "tasks")
+    assert "mmlu_anatomy" in local.no_fewshot and "mmlu" in local.no_fewshot
+    assert "mmlu_high_school_physics" not in local.no_fewshot
+    for name in ("mmlu", "mmlu_anatomy"):
+        with pytest.raises(ConfigError, match="no non-test split"):
+            check_fewshot(local, [name], 5, "eval.num_fewshot")
+    check_fewshot(local, ["mmlu_high_school_physics"], 5, "eval.num_fewshot")
+    check_fewshot(local, ["mmlu"], 0, "eval.num_fewshot")
+
+
 def test_a_task_whose_local_files_are_gone_leaves_no_yaml_behind(evaldata, tmp_path):
     """The task folder is on lm-eval's include path whenever any local task is: a YAML kept from an earlier call
     would shadow the hub task with the old converted data (and be reported as the hub)."""

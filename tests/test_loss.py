@@ -93,3 +93,38 @@ def test_bf16_inputs_get_unbiased_gradients():
     plain_h, plain_w = torch.autograd.grad(plain, (hidden, weight))
     assert _rel(unit_h.float(), plain_h.float()) <= 1e-2 and _rel(unit_w.float(), plain_w.float()) <= 1e-2
 
+
+@pytest.mark.parametrize("trained", ["hidden", "weight"])
+def test_a_frozen_head_or_frozen_hidden_states_leave_the_other_gradient_whole(trained):
+    """Only one of hidden and weight requires a gradient (a frozen head under a trained body, or a head fitted on
+    fixed features): the chunked path must still take its own backward for that one, keeping no logits (autograd
+    through the chunks would keep every chunk's log-probabilities, the memory the chunking exists to save), and match
+    the plain gradient; the no-gradient shortcut is for when neither asks for one."""
+    hidden, weight, targets = _inputs(50, 16, 200, seed=7, ignored_every=4)
+    hidden.requires_grad_(trained == "hidden")
+    weight.requires_grad_(trained == "weight")
+    wanted = hidden if trained == "hidden" else weight
+    plain = F.cross_entropy((hidden @ weight.T).float(), targets, ignore_index=-100, reduction="sum")
+    want, = torch.autograd.grad(plain, wanted)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        got = head_cross_entropy(hidden, weight, targets, 8)
+    assert got.requires_grad
+    assert sum(saved) <= wanted.numel() < hidden.shape[0] * weight.shape[0]  # its gradient, no [tokens, vocab]
+    assert _rel(torch.autograd.grad(got, wanted)[0], want) <= 1e-5
+
+
+def test_an_ignore_index_that_is_a_vocabulary_id_is_left_out():
+    """ignore_index may be a real token id (a pad id, say): rows with that target count zero, in value and gradient,
+    like F.cross_entropy's (a check of the target's sign instead, right for the default -100 only, would count them)."""
+    hidden, weight, targets = _inputs(60, 16, 23, seed=8)
+    ignored = int(targets[0])
+    assert (targets == ignored).sum() < len(targets)
+    plain = F.cross_entropy((hidden @ weight.T).float(), targets, ignore_index=ignored, reduction="sum")
+    want_h, want_w = torch.autograd.grad(plain, (hidden, weight))
+    for chunk in (0, 16):
+        got = head_cross_entropy(hidden, weight, targets, chunk, ignore_index=ignored)
+        got_h, got_w = torch.autograd.grad(got, (hidden, weight))
+        assert abs(got.item() - plain.item()) <= 1e-5 * abs(plain.item()), chunk
+        assert _rel(got_h, want_h) <= 1e-5 and _rel(got_w, want_w) <= 1e-5, chunk
+        assert not got_h[targets == ignored].any()

@@ -662,6 +662,21 @@ def test_metrics_csv_is_appended_on_resume(tmp_path):
     assert (fresh / "metrics.csv").read_text().splitlines()[0] == "step,train/loss"
 
 
+def test_an_intact_metrics_file_with_unsorted_columns_is_appended_to_the_right_columns(tmp_path):
+    """Lightning's writer puts each row's values in sorted column order under the header it finds: a whole file (no
+    torn row) whose header is out of that order must be rewritten sorted before a resume appends to it, else the
+    appended values land under other columns (the step read as the loss)."""
+    from model.csv_log import RunCSVLogger
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("train/loss,step\n5.0,0\n4.5,1\n")
+    resumed = RunCSVLogger(tmp_path)
+    resumed.log_metrics({"train/loss": 4.25}, step=2)
+    resumed.save()
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["step"], r["train/loss"]) for r in rows] == [("0", "5.0"), ("1", "4.5"), ("2", "4.25")]
+
+
 def test_a_new_metrics_column_rewrites_the_file_atomically(tmp_path, monkeypatch):
     """A new column rewrites every row (the eval/* scores at the end of each run): a failure mid-way (a full disk, a
     kill) must leave the history as it was; Lightning's own rewrite truncated the file first."""
