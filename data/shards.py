@@ -54,7 +54,7 @@ def atomic_write_bytes(path: Path, chunks) -> None:
 
 def atomic_write(path: Path, write) -> None:
     """Call write(binary file) on a temporary file beside `path`, then rename it to `path`: a reader (or a crash)
-    never sees half a file."""
+    never sees half a file. The file's bytes reach the disk before the rename, and the rename before this returns."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -68,6 +68,22 @@ def atomic_write(path: Path, write) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """fsync a folder: its entries (a rename into it) on disk, which a power loss could otherwise undo. Where a
+    folder cannot be opened or synced (Windows, some network file systems) the rename stands as it is."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_shard(path: Path, tokens: np.ndarray) -> None:

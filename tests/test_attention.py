@@ -732,3 +732,68 @@ def test_padded_permutations_move_real_tokens_only_and_ignore_the_rest_of_the_ba
             for p, length in zip(perms, lengths):
                 assert torch.equal(p, sampler.sample(1, n, 1, training=False, lengths=[length])[0].long())
             assert torch.equal(perms[0], sampler.sample(1, n, 1, training=False).long())  # unpadded: the shared pi
+
+
+def test_rotary_turns_each_half_pair_by_its_original_position():
+    """RoPE (rotate-half, model/layers.py): component i and i + D/2 form one complex number that position t turns by
+    t * theta^(-2i/D). Written here with complex numbers, not the layer's cos/sin tables: a swapped cos and sin, the
+    opposite turn, interleaved pairs (not what the Llama export maps to) or a wrong base or exponent all change which
+    relative positions a head can tell apart, and every attention backend would agree with the wrong q and k."""
+    from model.layers import Rotary
+
+    B, H, n, D, theta = 2, 3, 40, 16, 500.0
+    x = torch.randn(B, H, n, D)
+    got = Rotary(D, max_seq_len=64, theta=theta)(x)  # a table longer than the input: rows 0..n-1 are used
+    t = torch.arange(n, dtype=torch.float64)[:, None]
+    angle = t * theta ** (-2 * torch.arange(D // 2, dtype=torch.float64) / D)
+    z = torch.complex(x[..., : D // 2].double(), x[..., D // 2:].double()) * torch.polar(torch.ones_like(angle), angle)
+    torch.testing.assert_close(got, torch.cat([z.real, z.imag], dim=-1).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_rmsnorm_and_swiglu_follow_their_definitions():
+    """RMSNorm is x / sqrt(mean(x^2) + eps) * weight (eps inside the root; a large eps here, so its place shows) and
+    SwiGLU is down(silu(gate x) * up x): the Llama definitions the export and pretrained-model comparisons rely on."""
+    from model.layers import RMSNorm, SwiGLU
+
+    x = torch.randn(3, 5, 32) * 0.3
+    norm = RMSNorm(32, eps=0.05)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(32))
+    want = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 0.05) * norm.weight.double()
+    torch.testing.assert_close(norm(x).double(), want, atol=1e-6, rtol=1e-5)
+    mlp = SwiGLU(32, 48)
+    gate, up, down = (m.weight.double() for m in (mlp.gate, mlp.up, mlp.down))
+    hidden = x.double() @ gate.T
+    want = (hidden * torch.sigmoid(hidden) * (x.double() @ up.T)) @ down.T
+    torch.testing.assert_close(mlp(x).double(), want, atol=1e-6, rtol=1e-5)
+
+
+def test_decoder_init_scales_the_residual_projections_by_depth():
+    """reset_parameters: N(0, init_std) for every matrix but the two that write into the residual stream (o_proj,
+    down), which get init_std / sqrt(2 * n_layers) (GPT-2), norms at 1 and gates at 0. A wrong std starts every run
+    elsewhere (the stream's variance grows with depth) and no output comparison would notice."""
+    L, std = 3, 0.05
+    dec = Decoder(ModelConfig(vocab_size=256, n_layers=L, d_model=64, n_heads=4, max_seq_len=16, init_std=std,
+                              tie_embeddings=False), AttentionConfig(kind="gated_sa_swa", window=4))
+    kinds = set()
+    for name, p in dec.named_parameters():
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+        elif ".attn.gate." in name:
+            assert not p.any(), name
+        else:
+            want = std / (2 * L) ** 0.5 if name.endswith(("o_proj.weight", "mlp.down.weight")) else std
+            assert p.std().item() == pytest.approx(want, rel=0.1), name
+            assert abs(p.mean().item()) < 0.1 * want, name
+            kinds.add(name.split(".")[-2])
+    assert {"embed", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down"} <= kinds
+
+
+def test_a_sequence_longer_than_max_seq_len_is_refused_by_name():
+    """RoPE's tables hold max_seq_len positions: one more token must be a ValueError naming model.max_seq_len, not a
+    shape error from inside a layer (or, with longer tables, positions the model never trained on)."""
+    dec = Decoder(ModelConfig(vocab_size=32, n_layers=1, d_model=32, n_heads=2, max_seq_len=16),
+                  AttentionConfig(kind="swa", window=4, backend="torch"))
+    assert dec(torch.randint(0, 32, (1, 16))).shape == (1, 16, 32)
+    with pytest.raises(ValueError, match="17 tokens exceeds model.max_seq_len=16"):
+        dec(torch.randint(0, 32, (1, 17)))

@@ -155,6 +155,16 @@ def test_bad_config_is_refused_with_its_key(override, key, tmp_path, corpus_file
     assert err.value.key == key and key in str(err.value)
 
 
+
+def test_an_odd_head_dim_is_refused_for_rope():
+    """RoPE turns component i with i + D/2 (model/layers.py): an odd head dim leaves one without a partner and the
+    first forward pass failed on a shape mismatch inside RoPE. The config refuses it, naming model.d_model."""
+    assert ModelConfig(d_model=56, n_heads=4).head_dim == 14
+    for d_model, n_heads in ((60, 4), (36, 12)):  # head dims 15 and 3
+        with pytest.raises(ConfigError, match="even for RoPE") as err:
+            ModelConfig(d_model=d_model, n_heads=n_heads)
+        assert err.value.key == "model.d_model"
+
 def test_shots_a_local_test_only_task_cannot_give_are_refused_before_training(tmp_path, corpus_file):
     """eval.num_fewshot=2 with local wikitext and LAMBADA (test splits only) failed after the whole run."""
     from test_evaluation import make_truth, wiki_articles, write_evaldata

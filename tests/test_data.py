@@ -3,6 +3,7 @@
 import gzip
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -73,6 +74,60 @@ def test_truncated_or_foreign_shard_is_refused(tmp_path):
     (tmp_path / "foreign.bin").write_bytes(b"PK\x03\x04" + raw[4:])
     with pytest.raises(shards.ShardError, match="magic"):
         shards.read_shard(tmp_path / "foreign.bin")
+
+
+
+def test_the_shard_format_is_a_little_endian_header_then_the_raw_tokens(tmp_path):
+    """The on-disk format of the module docstring, byte by byte: magic, uint32 version 1, uint32 dtype code (1 =
+    uint16, 2 = uint32), uint64 token count, all little-endian, zero-padded to 64 bytes, then the tokens. Prepared
+    data caches outlive the code that wrote them: a reordered struct, another byte order or renumbered dtype codes
+    would still round-trip in a test of write-then-read, yet refuse (or misread) every shard already on disk."""
+    rng = np.random.default_rng()
+    for code, dtype in ((1, np.uint16), (2, np.uint32)):
+        tokens = rng.integers(0, np.iinfo(dtype).max, int(rng.integers(1, 500)), dtype=np.int64).astype(dtype)
+        header = (b"SALMTOK\x00" + (1).to_bytes(4, "little") + code.to_bytes(4, "little")
+                  + tokens.size.to_bytes(8, "little")).ljust(64, b"\x00")
+        raw = header + tokens.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+        shards.write_shard(tmp_path / f"ours{code}.bin", tokens)
+        assert (tmp_path / f"ours{code}.bin").read_bytes() == raw
+        (tmp_path / f"theirs{code}.bin").write_bytes(raw)  # a shard an earlier version prepared
+        got = shards.read_shard(tmp_path / f"theirs{code}.bin")
+        assert got.dtype == dtype and np.array_equal(got, tokens)
+
+
+def test_a_shard_whose_header_disagrees_with_the_file_is_refused(tmp_path):
+    """read_shard checks that the size matches the header exactly and that version and dtype code are known: a file
+    longer than its header says (bytes appended to it, a header rewritten short) or of another format version is
+    not silently read as a prefix of itself."""
+    tokens = np.random.default_rng().integers(0, 60000, 100).astype(np.uint16)
+    shards.write_shard(tmp_path / "a.bin", tokens)
+    raw = (tmp_path / "a.bin").read_bytes()
+    (tmp_path / "long.bin").write_bytes(raw + raw[64:70])
+    with pytest.raises(shards.ShardError, match="truncated or corrupt"):
+        shards.read_shard(tmp_path / "long.bin")
+    for at, value, what in ((8, 2, "version 2"), (12, 3, "dtype code 3")):
+        (tmp_path / "other.bin").write_bytes(raw[:at] + value.to_bytes(4, "little") + raw[at + 4:])
+        with pytest.raises(shards.ShardError, match=what):
+            shards.read_shard(tmp_path / "other.bin")
+
+
+def test_an_atomic_write_is_on_disk_before_the_rename(tmp_path, monkeypatch):
+    """Atomic means durable too: the temporary file is fsynced with all its bytes (flushed from Python's buffer
+    first) before it replaces the target, so a power loss after the rename cannot leave a shard or results.json that
+    exists but is empty. fsync is spied on here: the size it syncs and whether the target exists yet."""
+    real_fsync, synced = os.fsync, []
+    target = tmp_path / "results.json"
+    text = "x" * int(np.random.default_rng().integers(10, 4000))  # under Python's write buffer
+
+    def spy(fd):
+        info = os.fstat(fd)
+        synced.append(("folder" if stat.S_ISDIR(info.st_mode) else info.st_size, target.exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    shards.atomic_write_text(target, text)
+    # then the folder, so that the rename itself survives a power loss
+    assert synced == [(len(text), False), ("folder", True)] and target.read_text() == text
 
 
 def test_an_interrupted_preparation_resumes_after_its_last_shard(tmp_path, monkeypatch, capsys):

@@ -1185,6 +1185,26 @@ def test_an_unreadable_checkpoint_is_an_error_that_names_it(tiny_ckpt, tmp_path)
     assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
 
 
+
+def test_a_checkpoint_missing_a_weight_or_holding_a_foreign_one_is_refused(tiny_ckpt, tmp_path):
+    """load_checkpoint loads with strict=False (a gated checkpoint may be scored as plain SA), so it must refuse any
+    other mismatch itself: a weight the file lacks would stay at its random init and the model would be scored as
+    if trained, and a weight the model lacks would be dropped in silence."""
+    from model.checkpoint import CheckpointError, load_checkpoint
+
+    ckpt = torch.load(tiny_ckpt, map_location="cpu", weights_only=True)
+    dropped = random.choice(sorted(k for k in ckpt["state_dict"] if k.startswith("model.blocks.")))
+    lacking = {**ckpt, "state_dict": {k: v for k, v in ckpt["state_dict"].items() if k != dropped}}
+    torch.save(lacking, tmp_path / "lacking.ckpt")
+    with pytest.raises(CheckpointError, match=f"lacking.ckpt does not match the model: missing.*{dropped[6:]}"):
+        load_checkpoint(tmp_path / "lacking.ckpt")
+    extra = {**ckpt, "state_dict": {**ckpt["state_dict"], "model.blocks.0.attn.extra": torch.zeros(3)}}
+    torch.save(extra, tmp_path / "extra.ckpt")
+    with pytest.raises(CheckpointError, match="unexpected.*blocks.0.attn.extra"):
+        load_checkpoint(tmp_path / "extra.ckpt")
+    loaded = load_checkpoint(tiny_ckpt).model.state_dict()  # the whole file: every weight is the file's own
+    assert all(torch.equal(loaded[k.removeprefix("model.")], v) for k, v in ckpt["state_dict"].items())
+
 def test_a_full_model_scored_windowed_is_not_noted_as_another_window(tiny_ckpt, evaldata, tmp_path, capsys):
     """A full run's recorded window is its context (conf/attention/full.yaml's placeholder): the note said
     "window 4 (trained with 16)" of a model that never had a window."""
