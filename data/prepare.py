@@ -178,16 +178,13 @@ def prepare(cfg, cache_dir: str | Path, progress: bool = True) -> PreparedData:
         try:
             with tokenizer_threads():
                 return _build(cfg, root, progress, alone=bool(locked))
-        except (shards.ShardError, FileNotFoundError):
+        except BaseException as err:
             # without a lock (or one local to a node), a builder that finished first removed the validation parts
             # this one resumed through: its folder holds the same tokens
-            if not (root / "meta.json").is_file():
-                _remove_if_empty(root)
-                raise
-            for leftover in [root / PROGRESS, *root.glob("val_part_*.bin")]:  # what this one wrote after the other
-                leftover.unlink(missing_ok=True)  # finished: no builder reads them once meta.json is there
-            return _cached(cfg, root)
-        except BaseException:
+            if isinstance(err, (shards.ShardError, FileNotFoundError)) and (root / "meta.json").is_file():
+                for leftover in [root / PROGRESS, *root.glob("val_part_*.bin")]:  # what this one wrote after the
+                    leftover.unlink(missing_ok=True)  # other finished: no builder reads them once meta.json is there
+                return _cached(cfg, root)
             _remove_if_empty(root)
             raise
 
