@@ -101,25 +101,19 @@ def _evaluate(cfg: DictConfig):
         eval_cfg["task_dir"] = str(default_task_dir(eval_cfg["data_dir"], cfg.paths.cache_dir))
     given = attention_given(HydraConfig.get().overrides.task)
     attention = attention_from_command_line(OmegaConf.to_container(cfg.attention, resolve=True))
-    try:
+    try:  # before a model loads
         refuse_unread_top_keys_of_launch(cfg, "evaluate")
+        refuse_context_given(HydraConfig.get().overrides.task, "eval.max_length=<tokens> sets the context scored")
+        check_eval_config(eval_cfg, hf=bool(cfg.model.hf))
     except ConfigError as err:
         say(f"error: {err}")
         sys.exit(2)
     if cfg.model.hf:
-        try:
-            refuse_context_given(HydraConfig.get().overrides.task, "eval.max_length=<tokens> sets the context scored")
-            check_eval_config(eval_cfg, hf=True)
-        except ConfigError as err:
-            say(f"error: {err}")
-            sys.exit(2)
         return evaluate_hf_model(cfg.model.hf, eval_cfg, attention, out_dir, given)
     if not cfg.ckpt:
         say("error: give ckpt=<run dir or .ckpt file> (or model.hf=<HuggingFace model>)")
         sys.exit(2)
     try:
-        refuse_context_given(HydraConfig.get().overrides.task, "eval.max_length=<tokens> sets the context scored")
-        check_eval_config(eval_cfg)
         summary = evaluate_checkpoint(cfg.ckpt, eval_cfg, trained_window_unless_given(attention, given), out_dir,
                                       log=say)
     except (FileNotFoundError, ConfigError, CheckpointError) as err:
